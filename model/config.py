@@ -1,0 +1,83 @@
+"""One frozen description of a decoder: everything the forward pass needs to know about shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder; optional Mixtral-style MoE FFN.
+
+    Frozen so it can be a static argument of jitted functions and a dict key of compiled steps.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    context_length: int = 2048  # positions the model was trained for
+    n_experts: int = 0  # 0 = dense SwiGLU MLP
+    n_experts_per_token: int = 2
+    memory: str = "kv"  # "kv" (softmax KV cache); "vq" comes with Transformer-VQ
+    dtype: str = "float32"  # parameter storage dtype: float32 | bfloat16
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
+            raise ValueError(f"n_experts_per_token={self.n_experts_per_token} not in 1..{self.n_experts}")
+        if self.memory != "kv":
+            raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv')")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16)")
+
+    @property
+    def n_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
+        per_layer = attn + ffn + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+def tiny_config(**changes: Any) -> ModelConfig:
+    """A small random-weight config for tests: GQA (4 query / 2 kv heads), untied head."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        context_length=256,
+    )
+    return base.replace(**changes)

@@ -1,0 +1,172 @@
+"""Decoder building blocks as Haiku modules: RMSNorm, RoPE, GQA attention over a KV memory, SwiGLU, MoE.
+
+Parameter names follow one scheme (`q_proj/w`, `mlp/gate_proj/w`, ...) that the checkpoint importers
+target; linear weights are stored [in, out].
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+
+F32 = jnp.float32
+
+
+def param_dtype(config: ModelConfig):
+    return jnp.bfloat16 if config.dtype == "bfloat16" else F32
+
+
+def _init(fan_in: int):
+    return hk.initializers.TruncatedNormal(stddev=fan_in**-0.5)
+
+
+class Linear(hk.Module):
+    """y = x @ w without bias; accumulates in float32 whatever the storage dtype."""
+
+    def __init__(self, out_dim: int, dtype, name: str):
+        super().__init__(name=name)
+        self.out_dim = out_dim
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = hk.get_parameter("w", [x.shape[-1], self.out_dim], self.dtype, init=_init(x.shape[-1]))
+        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=F32)
+
+
+class Embed(hk.Module):
+    """Token embeddings [V, D]; also the output head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype, name: str = "embed"):
+        super().__init__(name=name)
+        self.shape = (vocab_size, dim)
+        self.dtype = dtype
+
+    @property
+    def embeddings(self) -> jax.Array:
+        return hk.get_parameter("embeddings", self.shape, self.dtype, init=hk.initializers.TruncatedNormal(1.0))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embeddings, tokens, axis=0).astype(F32)
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(self.dtype), self.embeddings.T, preferred_element_type=F32)
+
+
+class RMSNorm(hk.Module):
+    def __init__(self, eps: float, dtype, name: str):
+        super().__init__(name=name)
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = hk.get_parameter("scale", [x.shape[-1]], self.dtype, init=jnp.ones)
+        x = x.astype(F32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * scale.astype(F32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Hugging Face's; GGUF q/k rows are un-permuted to it).
+
+    x: [B, T, H, Dh]; positions: [B, T].
+    """
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=F32) / dh))  # [Dh/2]
+    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    half = dh // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+class Attention(hk.Module):
+    """Grouped-query attention of T new tokens over the memory's past keys plus themselves.
+
+    The past (`k_past`, read-only) and the new keys are scored separately and normalised by one
+    softmax, so the memory is read but never rewritten inside the layer scan: the caller writes the
+    new keys into the (donated) memory once, after all layers.
+    """
+
+    def __init__(self, config: ModelConfig, name: str = "attention"):
+        super().__init__(name=name)
+        self.c = config
+
+    def __call__(self, x, positions, k_past, v_past, past_len):
+        """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys).
+
+        Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
+        """
+        c = self.c
+        dtype = param_dtype(c)
+        b, t, _ = x.shape
+        groups = c.n_heads // c.n_kv_heads
+        q = Linear(c.n_heads * c.head_dim, dtype, "q_proj")(x).reshape(b, t, c.n_heads, c.head_dim)
+        k = Linear(c.n_kv_heads * c.head_dim, dtype, "k_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+        v = Linear(c.n_kv_heads * c.head_dim, dtype, "v_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+        q = rope(q, positions, c.rope_theta) * (c.head_dim**-0.5)
+        k = rope(k, positions, c.rope_theta)
+        q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
+
+        neg = jnp.finfo(F32).min
+        new_scores = jnp.einsum("bthgd,bshd->bhgts", q, k)  # [B, Hkv, G, T, T]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        new_scores = jnp.where(causal, new_scores, neg)
+        w = k_past.shape[1]
+        if w:
+            past_scores = jnp.einsum("bthgd,bshd->bhgts", q, k_past.astype(F32))  # [B, Hkv, G, T, W]
+            seen = jnp.arange(w)[None, :] < past_len[:, None]  # [B, W]
+            past_scores = jnp.where(seen[:, None, None, None, :], past_scores, neg)
+            scores = jnp.concatenate([past_scores, new_scores], axis=-1)
+            values = jnp.concatenate([v_past.astype(F32), v], axis=1)  # [B, W+T, Hkv, Dh]
+        else:
+            scores, values = new_scores, v
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhgts,bshd->bthgd", probs, values).reshape(b, t, c.n_heads * c.head_dim)
+        out = Linear(c.dim, dtype, "o_proj")(out)
+        return out, k, v
+
+
+class MLP(hk.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, name: str = "mlp"):
+        super().__init__(name=name)
+        self.c = config
+
+    def __call__(self, x):
+        dtype = param_dtype(self.c)
+        gate = Linear(self.c.ffn_dim, dtype, "gate_proj")(x)
+        up = Linear(self.c.ffn_dim, dtype, "up_proj")(x)
+        return Linear(self.c.dim, dtype, "down_proj")(jax.nn.silu(gate) * up)
+
+
+class MoE(hk.Module):
+    """Mixtral routing: top-k experts per token, gates = softmax over the selected router logits.
+
+    Every expert is evaluated densely and unselected ones get gate 0: exact, and fine for small
+    expert counts; selective dispatch belongs to the grok-1 MoE work.
+    """
+
+    def __init__(self, config: ModelConfig, name: str = "moe"):
+        super().__init__(name=name)
+        self.c = config
+
+    def __call__(self, x):
+        c = self.c
+        dtype = param_dtype(c)
+        e, d, f = c.n_experts, c.dim, c.ffn_dim
+        router_logits = Linear(e, dtype, "router")(x)  # [B, T, E]
+        top_logits, top_idx = jax.lax.top_k(router_logits, c.n_experts_per_token)  # [B, T, K]
+        top_gates = jax.nn.softmax(top_logits, axis=-1)
+        gates = jnp.sum(jax.nn.one_hot(top_idx, e, dtype=F32) * top_gates[..., None], axis=-2)  # [B, T, E]
+        w_gate = hk.get_parameter("gate_proj", [e, d, f], dtype, init=_init(d))
+        w_up = hk.get_parameter("up_proj", [e, d, f], dtype, init=_init(d))
+        w_down = hk.get_parameter("down_proj", [e, f, d], dtype, init=_init(f))
+        xc = x.astype(dtype)
+        h = jax.nn.silu(jnp.einsum("btd,edf->btef", xc, w_gate, preferred_element_type=F32))
+        h = h * jnp.einsum("btd,edf->btef", xc, w_up, preferred_element_type=F32)
+        y = jnp.einsum("btef,efd->bted", h.astype(dtype), w_down, preferred_element_type=F32)
+        return jnp.einsum("bted,bte->btd", y, gates)

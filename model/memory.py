@@ -1,0 +1,70 @@
+"""KV memory: the attention cache of every layer, batched over serving slots (grok-1's KVMemory).
+
+The layers are stacked on a leading axis because the decoder scans over them; `step` is shared by
+all layers since every layer sees the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+
+
+class KVMemory(NamedTuple):
+    k: jax.Array  # [L, B, S, Hkv, Dh] keys, already rotated (RoPE applied)
+    v: jax.Array  # [L, B, S, Hkv, Dh]
+    step: jax.Array  # [B] int32: tokens written per slot = position of the next token
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def cache_dtype(config: ModelConfig):
+    return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+
+
+def init_memory(config: ModelConfig, batch: int, max_len: int) -> KVMemory:
+    """Empty memory for `batch` slots of `max_len` positions.
+
+    K and V are separate zero arrays (not one array twice) so both can be donated to a step.
+    """
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    dtype = cache_dtype(config)
+    return KVMemory(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), step=jnp.zeros((batch,), jnp.int32))
+
+
+def insert_slot(memory: KVMemory, slot_memory: KVMemory, slot: jax.Array | int) -> KVMemory:
+    """Copy a one-slot memory (from a prefill) into slot `slot` of the batched memory.
+
+    The slot memory may be shorter than the batched one: positions past it are zeroed in the slot.
+    """
+    if slot_memory.batch != 1:
+        raise ValueError(f"insert_slot takes a one-slot memory, got batch {slot_memory.batch}")
+    pad = memory.max_len - slot_memory.max_len
+    if pad < 0:
+        raise ValueError(f"slot memory of {slot_memory.max_len} positions exceeds {memory.max_len}")
+    widths = [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)]
+    k = jnp.pad(slot_memory.k.astype(memory.k.dtype), widths)
+    v = jnp.pad(slot_memory.v.astype(memory.v.dtype), widths)
+    slot = jnp.asarray(slot, jnp.int32)
+    zero = jnp.int32(0)
+    start = (zero, slot, zero, zero, zero)
+    return KVMemory(
+        k=jax.lax.dynamic_update_slice(memory.k, k, start),
+        v=jax.lax.dynamic_update_slice(memory.v, v, start),
+        step=jax.lax.dynamic_update_slice(memory.step, slot_memory.step, (slot,)),
+    )
+
+
+def free_slot(memory: KVMemory, slot: jax.Array | int) -> KVMemory:
+    """Mark a slot empty. Its stale keys are never read: attention only looks below `step`."""
+    return memory._replace(step=memory.step.at[slot].set(0))

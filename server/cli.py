@@ -1,0 +1,135 @@
+"""`hkserve` command line: pull | convert | models | generate.
+
+Results go to stdout, everything else (progress, timings, logs) to stderr, so output can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from checkpoint.store import DEFAULT_MODEL, ModelStore
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_pull(args) -> int:
+    from checkpoint.convert import pull
+
+    pull(args.name, ModelStore(), dtype=args.dtype, progress=not args.quiet)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from checkpoint.convert import convert
+
+    path = convert(args.path, args.name, ModelStore(), dtype=args.dtype, overwrite=args.overwrite,
+                   progress=not args.quiet)
+    _log(f"{args.name} stored at {path}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    models = ModelStore().list()
+    if not models:
+        _log(f"no models in {ModelStore().models_dir}; run `hkserve pull`")
+    for m in models:
+        c = m.config
+        print(f"{m.name}\t{c.n_params / 1e6:.0f}M params\t{c.dtype}\t{c.n_layers} layers\tctx {c.context_length}"
+              f"\t{m.source.get('format', '?')}\t{m.path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from model.transformer import build_model
+    from server.detokenize import IncrementalDetokenizer
+    from server.engine import Engine, generate
+
+    started = time.perf_counter()
+    store = ModelStore()
+    if args.model == DEFAULT_MODEL and not store.exists(args.model):
+        from checkpoint.convert import pull
+
+        pull(args.model, store)
+    info = store.info(args.model)
+    tokenizer = store.tokenizer(args.model)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    engine = Engine(build_model(info.config), store.params(args.model), slots=1, max_len=args.max_len)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
+    loaded = time.perf_counter()
+
+    detok = IncrementalDetokenizer(tokenizer)
+    count, first_at = 0, None
+    for token in generate(engine, prompt_ids, args.max_tokens, settings, tokenizer.stop_ids):
+        count += 1
+        first_at = first_at or time.perf_counter()
+        sys.stdout.write(detok.add(token.id))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.flush()
+    done = time.perf_counter()
+    decode_s = done - first_at
+    rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
+    _log(f"load {loaded - started:.2f}s, prefill {len(prompt_ids)} tokens + compile {first_at - loaded:.2f}s, "
+         f"decode {count - 1} tokens in {decode_s:.2f}s ({rate:.1f} tok/s, includes step compiles)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hkserve", description="JAX + Haiku LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download and convert a known model into the store")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("convert", help="import a local GGUF file or Hugging Face directory")
+    p.add_argument("path")
+    p.add_argument("--name", required=True)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("models", help="list the model store")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        _log(f"hkserve {args.command}: error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The real default model against Hugging Face transformers' reference outputs (smollm2_golden.json)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import hkserve
+from model.transformer import build_model
+from server.engine import Engine, generate
+
+LOGPROB_TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    _, info, _, params = smollm2
+    return Engine(build_model(info.config), params, slots=1, max_len=512)
+
+
+def prompt_ids(tokenizer, case) -> list[int]:
+    if "messages" in case:
+        assert tokenizer.render_chat(case["messages"]) == case["rendered_prompt"]
+        return tokenizer.encode_chat(case["messages"])
+    return tokenizer.encode(case["prompt"])
+
+
+def test_tokenization_matches_reference_for_every_case(smollm2, golden):
+    tokenizer = smollm2[2]
+    for case in golden["cases"]:
+        assert prompt_ids(tokenizer, case) == case["prompt_ids"], case["name"]
+        assert tokenizer.decode(case["greedy_ids"]) == case["text"], case["name"]
+
+
+def test_greedy_kv_decoding_equals_reference_tokens_and_top5_logprobs(smollm2, golden, engine):
+    tokenizer = smollm2[2]
+    for case in golden["cases"]:
+        tokens = list(generate(engine, case["prompt_ids"], 32, {"temperature": 0.0}, tokenizer.stop_ids))
+        assert [t.id for t in tokens] == case["greedy_ids"], case["name"]
+        for step, (token, reference) in enumerate(zip(tokens, case["top5"])):
+            ours = dict(token.top)
+            fifth = min(ours.values())
+            for token_id, logprob in reference:
+                if token_id in ours:
+                    assert abs(ours[token_id] - logprob) < LOGPROB_TOL, (case["name"], step, token_id)
+                else:  # a near-tie at the 5th place may order differently: it must tie with our 5th
+                    assert abs(logprob - fifth) < LOGPROB_TOL, (case["name"], step, token_id)
+            assert abs(token.logprob - dict(reference)[token.id]) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_generate_cli_prints_reference_text(smollm2_home, golden, index):
+    case = golden["cases"][index]
+    if "messages" in case:
+        (message,) = case["messages"]
+        args = ["generate", message["content"], "--chat"]
+    else:
+        args = ["generate", case["prompt"]]
+    result = hkserve(*args, "--temperature", "0", "--max-tokens", "32", home=smollm2_home)
+    assert result.stdout == case["text"] + "\n"
+
+
+def test_second_pull_is_a_no_op(smollm2_home):
+    params_dir = smollm2_home / "models" / "smollm2-135m-instruct" / "params"
+    before = params_dir.stat().st_mtime_ns
+    started = time.perf_counter()
+    result = hkserve("pull", home=smollm2_home)
+    assert time.perf_counter() - started < 30
+    assert "already in the store" in result.stderr
+    assert params_dir.stat().st_mtime_ns == before
+
+
+def test_models_lists_the_pulled_model(smollm2_home):
+    out = hkserve("models", home=smollm2_home).stdout
+    assert out.startswith("smollm2-135m-instruct\t")
