@@ -44,40 +44,59 @@ def cmd_models(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    from model.transformer import build_model
-    from server.detokenize import IncrementalDetokenizer
-    from server.engine import Engine, generate
+def load_runner(args, slots: int):
+    """Model from the store (pulling the default one if absent) → (tokenizer, started runner)."""
+    from model.sharding import param_shardings, parse_mesh
+    from model.transformer import build_model, param_shapes
+    from server.engine import Engine
+    from server.runner import InferenceRunner
 
-    started = time.perf_counter()
     store = ModelStore()
     if args.model == DEFAULT_MODEL and not store.exists(args.model):
         from checkpoint.convert import pull
 
         pull(args.model, store)
     info = store.info(args.model)
-    tokenizer = store.tokenizer(args.model)
+    mesh = parse_mesh(args.mesh, info.config)
+    data = mesh.shape["data"]
+    slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
+    params = store.params(args.model, param_shardings(param_shapes(info.config), mesh))
+    engine = Engine(build_model(info.config), params, slots=slots, max_len=args.max_len, mesh=mesh)
+    return store.tokenizer(args.model), InferenceRunner(engine).start(warmup=False)
+
+
+def cmd_generate(args) -> int:
+    from server.detokenize import IncrementalDetokenizer
+    from server.runner import Request
+
+    started = time.perf_counter()
+    tokenizer, runner = load_runner(args, slots=1)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    engine = Engine(build_model(info.config), store.params(args.model), slots=1, max_len=args.max_len)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
     loaded = time.perf_counter()
 
     detok = IncrementalDetokenizer(tokenizer)
     count, first_at = 0, None
-    for token in generate(engine, prompt_ids, args.max_tokens, settings, tokenizer.stop_ids):
-        count += 1
-        first_at = first_at or time.perf_counter()
-        sys.stdout.write(detok.add(token.id))
-        sys.stdout.flush()
+    try:
+        for event in runner.submit(Request(prompt_ids, args.max_tokens, sampling, tokenizer.stop_ids)):
+            if event.error:
+                raise RuntimeError(event.error)
+            if event.token is None:
+                break
+            count += 1
+            first_at = first_at or time.perf_counter()
+            sys.stdout.write(detok.add(event.token.id))
+            sys.stdout.flush()
+    finally:
+        runner.stop()
     sys.stdout.write(detok.flush() + "\n")
     sys.stdout.flush()
-    done = time.perf_counter()
-    decode_s = done - first_at
+    decode_s = time.perf_counter() - first_at
     rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
     _log(f"load {loaded - started:.2f}s, prefill {len(prompt_ids)} tokens + compile {first_at - loaded:.2f}s, "
          f"decode {count - 1} tokens in {decode_s:.2f}s ({rate:.1f} tok/s, includes step compiles)")
@@ -116,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4 (default: all on model "
+                                                "if that divides the heads, else all on data)")
     p.set_defaults(func=cmd_generate)
     return parser
 

@@ -10,15 +10,19 @@ updated in place.
 from __future__ import annotations
 
 import bisect
-from typing import Iterator, NamedTuple, Sequence
+import functools
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.memory import KVMemory, init_memory
-from model.sampling import SampleOutput, SampleSettings, make_settings, sample
-from model.transformer import Model
+from model.sampling import SampleOutput, SampleSettings, TokenHistory, empty_history, make_settings, sample
+from model.sharding import check_slots, memory_spec, param_shardings, parse_mesh
+from model.transformer import Model, param_shapes
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -30,7 +34,8 @@ class ContextLengthError(ValueError):
 class DecodeState(NamedTuple):
     memory: KVMemory
     tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
-    settings: SampleSettings  # [B] per-slot sampling settings
+    settings: SampleSettings  # [B] per-slot sampling settings ([B, V] logit bias)
+    history: TokenHistory  # [B, V] what the penalties see
 
 
 def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
@@ -43,121 +48,173 @@ def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
 
 
 class Engine:
+    """Owns params and the batched decode state on a ("data", "model") mesh.
+
+    Not thread-safe: one thread (the runner's loop) calls it.
+    """
+
     def __init__(self, model: Model, params, slots: int = 1, max_len: int = 2048,
-                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, n_top: int = 5):
-        if max_len > model.config.context_length:
-            max_len = model.config.context_length
-        self.model, self.params, self.slots, self.max_len, self.n_top = model, params, slots, max_len, n_top
+                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, n_top: int = 5, mesh: Mesh | None = None):
+        config = model.config
+        if config.vocab_size >= 2**24:
+            raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
+        max_len = min(max_len, config.context_length)
+        self.mesh = mesh or parse_mesh("1x1", devices=jax.devices()[:1])
+        check_slots(slots, self.mesh)
+        self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         self.windows = window_sizes(max_len, min(128, max_len))
-        self.positions = np.zeros(slots, np.int64)  # host mirror of memory.step
-        self.state = DecodeState(
-            memory=init_memory(model.config, slots, max_len),
-            tokens=jnp.zeros((slots,), jnp.int32),
-            settings=jax.tree_util.tree_map(jnp.asarray, make_settings([{}] * slots)),
+
+        self.param_shardings = param_shardings(param_shapes(config), self.mesh)
+        self.params = jax.device_put(params, self.param_shardings)
+        self.state_shardings = self._state_shardings()
+        self.reset()
+        self._compiled: dict = {}
+
+    def reset(self) -> None:
+        """Fresh, empty decode state (all slots free)."""
+        config = self.model.config
+        state = DecodeState(
+            memory=init_memory(config, self.slots, self.max_len),
+            tokens=np.zeros((self.slots,), np.int32),
+            settings=make_settings([{}] * self.slots, config.vocab_size),
+            history=empty_history(self.slots, config.vocab_size),
         )
-        self._prefill = jax.jit(self._prefill_impl, static_argnums=(6,), donate_argnums=(1,))
-        self._step = jax.jit(self._step_impl, static_argnums=(3,), donate_argnums=(1,))
+        self.state = jax.device_put(state, self.state_shardings)
+        self.positions = np.zeros(self.slots, np.int64)  # host mirror of memory.step
+
+    def _sharding(self, *spec) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*spec))
+
+    def _state_shardings(self) -> DecodeState:
+        rows, table = self._sharding("data"), self._sharding("data", None)
+        kv = NamedSharding(self.mesh, memory_spec(self.model.config, self.mesh))
+        settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
+        return DecodeState(KVMemory(kv, kv, rows), rows, settings, TokenHistory(table, table))
 
     # -- compiled bodies ------------------------------------------------------------------------
-    def _prefill_impl(self, params, state: DecodeState, tokens, length, slot, row_settings, attend_len):
+    def _prefill_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings):
         """tokens [1, T] (one chunk of one prompt) into slot [1]; attend_len 0 starts the slot afresh."""
-        memory = state.memory
+        memory, history = state.memory, state.history
+        t_idx = jnp.arange(tokens.shape[1])
+        seen = jnp.zeros((self.model.config.vocab_size,), bool)
+        seen = seen.at[jnp.where(t_idx < length[0], tokens[0], seen.shape[0])].set(True, mode="drop")
         if attend_len == 0:
             memory = memory._replace(step=memory.step.at[slot].set(0))
+            history = TokenHistory(history.counts.at[slot].set(0), history.in_prompt.at[slot].set(seen))
+        else:
+            history = history._replace(in_prompt=history.in_prompt.at[slot].set(history.in_prompt[slot] | seen))
         logits, memory = self.model.forward(params, tokens, memory, length, slot, attend_len, True)
-        out = sample(logits, row_settings, memory.step[slot], self.n_top)
+        row_history = TokenHistory(history.counts[slot], history.in_prompt[slot])
+        out = sample(logits, row_settings, memory.step[slot], self.n_top, row_history)
         settings = jax.tree_util.tree_map(lambda all_, row: all_.at[slot].set(row), state.settings, row_settings)
-        return DecodeState(memory, state.tokens.at[slot].set(out.token), settings), out
+        return DecodeState(memory, state.tokens.at[slot].set(out.token), settings, history), pack(out)
 
-    def _step_impl(self, params, state: DecodeState, active, attend_len):
+    def _step_impl(self, attend_len, params, state: DecodeState, active):
         """One token for every active slot ([B] bool); idle slots compute but write nothing."""
         lengths = active.astype(jnp.int32)
+        rows = jnp.arange(self.slots)
+        # The input token was generated by the previous call: count it for the penalties now.
+        history = state.history._replace(counts=state.history.counts.at[rows, state.tokens].add(lengths))
         logits, memory = self.model.forward(params, state.tokens[:, None], state.memory, lengths, None, attend_len)
-        out = sample(logits[:, 0], state.settings, memory.step, self.n_top)
+        out = sample(logits[:, 0], state.settings, memory.step, self.n_top, history)
         tokens = jnp.where(active, out.token, state.tokens)
-        return DecodeState(memory, tokens, state.settings), out
+        return DecodeState(memory, tokens, state.settings, history), pack(out)
+
+    def _compiled_fn(self, kind: str, attend_len: int):
+        """jit with explicit shardings; static attend_len is bound by partial (jit with in_shardings
+        takes no keyword arguments)."""
+        key = (kind, attend_len)
+        if key not in self._compiled:
+            rep, rows = self._sharding(), self._sharding("data")
+            if kind == "prefill":
+                fn = functools.partial(self._prefill_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep)
+                out_sh = (self.state_shardings, rep)
+            else:
+                fn = functools.partial(self._step_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rows)
+                out_sh = (self.state_shardings, rows)
+            self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1,))
+        return self._compiled[key]
 
     # -- host API -------------------------------------------------------------------------------
     def _window(self, needed: int) -> int:
         return self.windows[bisect.bisect_left(self.windows, needed)]
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
-        if prompt_len + max_tokens > self.max_len:
-            raise ContextLengthError(
-                f"this model's context is {self.max_len} tokens; the request needs {prompt_len + max_tokens} "
-                f"({prompt_len} in the prompt, {max_tokens} to generate)")
         if prompt_len == 0:
             raise ValueError("the prompt is empty")
+        if prompt_len + max_tokens > self.max_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_len} tokens; the request needs "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)")
 
-    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> SampleOutput:
-        """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token.
-        Returns the sample as device arrays of batch 1."""
+    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> "PendingTokens":
+        """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
+        (one row)."""
         self.check_fits(len(prompt_ids))
-        row = jax.tree_util.tree_map(jnp.asarray, make_settings([settings or {}]))
+        row = make_settings([settings or {}], self.model.config.vocab_size)
         chunk = self.prefill_buckets[-1]
-        slot_arr = jnp.asarray([slot], jnp.int32)
+        slot_arr = np.asarray([slot], np.int32)
         for start in range(0, len(prompt_ids), chunk):
             piece = list(prompt_ids[start:start + chunk])
             bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))]
             tokens = np.zeros((1, bucket), np.int32)
             tokens[0, :len(piece)] = piece
-            attend_len = 0 if start == 0 else self._window(start)
-            self.state, out = self._prefill(self.params, self.state, tokens, np.asarray([len(piece)], np.int32),
-                                            slot_arr, row, attend_len)
+            fn = self._compiled_fn("prefill", 0 if start == 0 else self._window(start))
+            self.state, out = fn(self.params, self.state, tokens, np.asarray([len(piece)], np.int32), slot_arr, row)
         self.positions[slot] = len(prompt_ids)
-        return out
+        return PendingTokens(out)
 
-    def step(self, active: np.ndarray) -> SampleOutput:
-        """Decode one token for each slot where `active` [B] is true. Returns device arrays [B]."""
+    def step(self, active: np.ndarray) -> "PendingTokens":
+        """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
         active = np.asarray(active, bool)
         needed = int(self.positions[active].max()) if active.any() else 1
         if needed >= self.max_len:
             raise ContextLengthError(f"a slot reached the context length {self.max_len}")
-        self.state, out = self._step(self.params, self.state, active, self._window(max(needed, 1)))
+        self.state, out = self._compiled_fn("step", self._window(max(needed, 1)))(self.params, self.state, active)
         self.positions += active
-        return out
+        return PendingTokens(out)
 
     def warmup(self) -> None:
         """Compile every prefill bucket and decode window now, not on the first request."""
         for bucket in self.prefill_buckets:
             self.prefill(0, [0] * bucket)
+        only_first = np.eye(self.slots, dtype=bool)[0]
         for w in self.windows:
             self.positions[0] = w - 1
-            jax.block_until_ready(self.step(np.eye(self.slots, dtype=bool)[0]))
+            self.step(only_first).read()
         self.positions[:] = 0
 
 
 class Token(NamedTuple):
-    """One generated token as the host sees it."""
+    """One sampled token as the host sees it."""
 
     id: int
     logprob: float
-    top: list[tuple[int, float]]
+    top: list[tuple[int, float]]  # most likely alternatives (id, logprob), best first
 
 
-def _host_row(out: SampleOutput, row: int) -> Token:
-    return Token(int(out.token[row]), float(out.logprob[row]),
-                 list(zip(np.asarray(out.top_ids[row]).tolist(), np.asarray(out.top_logprobs[row]).tolist())))
+def pack(out: SampleOutput) -> jax.Array:
+    """All of a sample in one float32 array [B, 2 + 2K], so one device→host copy carries it.
+    Token ids are exact in float32 below 2**24."""
+    f32 = jnp.float32
+    return jnp.concatenate([out.token.astype(f32)[:, None], out.logprob[:, None],
+                            out.top_ids.astype(f32), out.top_logprobs], axis=-1)
 
 
-def generate(engine: Engine, prompt_ids: Sequence[int], max_tokens: int, settings: dict | None = None,
-             stop_ids: Sequence[int] = (), slot: int = 0) -> Iterator[Token]:
-    """One request in one slot: prefill once, then one token per step until a stop id or max_tokens.
+class PendingTokens:
+    """A prefill's or step's sampled tokens on the device, with the host copy already started:
+    `read()` later costs no device wait if the step has finished."""
 
-    The next step is dispatched before the previous token is read, so the device never waits for
-    Python; at most one step is computed past the end and discarded.
-    """
-    engine.check_fits(len(prompt_ids), max_tokens)
-    active = np.zeros(engine.slots, bool)
-    active[slot] = True
-    out, row = engine.prefill(slot, prompt_ids, settings), 0
-    for produced in range(1, max_tokens + 1):
-        for leaf in out:
-            leaf.copy_to_host_async()
-        following = engine.step(active) if produced < max_tokens else None
-        token = _host_row(out, row)
-        yield token
-        if token.id in stop_ids:
-            return
-        out, row = following, slot
+    def __init__(self, packed: jax.Array):
+        self.packed = packed
+        packed.copy_to_host_async()
+
+    def read(self) -> list[Token]:
+        host = np.asarray(self.packed)
+        k = (host.shape[1] - 2) // 2
+        ids = host[:, 2:2 + k].astype(np.int64).tolist()
+        lps = host[:, 2 + k:].tolist()
+        return [Token(int(row[0]), float(row[1]), list(zip(i, lp))) for row, i, lp in zip(host, ids, lps)]

@@ -13,7 +13,8 @@ from checkpoint.params import ImportFormatError
 from conftest import require_fixtures
 from model.memory import init_memory
 from model.transformer import build_model
-from server.engine import Engine, generate
+from server.engine import Engine
+from server.runner import InferenceRunner, Request
 
 CHECKPOINTS = ["tiny-llama-tied", "tiny-llama-untied", "tiny-mixtral"]
 
@@ -29,8 +30,11 @@ def test_imported_logits_and_greedy_continuation_match_transformers(name):
     logits, _ = jax.jit(model.forward)(params, ids, memory, np.full(ids.shape[0], ids.shape[1], np.int32))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference["logits"]), atol=1e-4, rtol=0)
 
-    engine = Engine(model, params, slots=1, max_len=64)
-    greedy = [t.id for t in generate(engine, reference["greedy_prompt"], len(reference["greedy_ids"]))]
+    runner = InferenceRunner(Engine(model, params, slots=1, max_len=64)).start(warmup=False)
+    try:
+        greedy = [t.id for t in runner.generate(Request(reference["greedy_prompt"], len(reference["greedy_ids"])))]
+    finally:
+        runner.stop()
     assert greedy == reference["greedy_ids"]
 
 

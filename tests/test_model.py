@@ -12,7 +12,8 @@ import pytest
 from model.config import tiny_config
 from model.memory import init_memory, insert_slot
 from model.transformer import build_model
-from server.engine import Engine, generate
+from server.engine import Engine
+from server.runner import InferenceRunner, Request
 
 TOL = 1e-5
 BUCKETS = (8, 16, 32)
@@ -98,8 +99,11 @@ def test_chunked_prefill_over_three_buckets_equals_full_recompute():
     model = build_model(config)
     params = model.init(jax.random.PRNGKey(4))
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()  # 16 + 16 + 8
-    engine = Engine(model, params, slots=2, max_len=128, prefill_buckets=(8, 16))
-    got = [t.id for t in generate(engine, prompt, 8, slot=1)]
+    runner = InferenceRunner(Engine(model, params, slots=2, max_len=128, prefill_buckets=(8, 16))).start(warmup=False)
+    try:
+        got = [t.id for t in runner.generate(Request(prompt, 8))]
+    finally:
+        runner.stop()
     seq = list(prompt)
     for _ in range(8):
         seq.append(int(np.argmax(full_logits(model, params, seq)[-1])))

@@ -20,7 +20,7 @@ def logits_batch(rows: int, seed: int = 0, scale: float = 3.0) -> jnp.ndarray:
 
 def draw(logits, settings_rows, positions=None):
     positions = jnp.zeros(logits.shape[0], jnp.int32) if positions is None else positions
-    return _sample(logits, jax.tree_util.tree_map(jnp.asarray, make_settings(settings_rows)), positions, 5)
+    return _sample(logits, jax.tree_util.tree_map(jnp.asarray, make_settings(settings_rows, logits.shape[-1])), positions, 5)
 
 
 def test_temperature_zero_is_greedy_and_logprobs_are_log_softmax():

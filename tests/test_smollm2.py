@@ -8,15 +8,18 @@ import pytest
 
 from conftest import hkserve
 from model.transformer import build_model
-from server.engine import Engine, generate
+from server.engine import Engine
+from server.runner import InferenceRunner, Request
 
 LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2):
+def runner(smollm2):
     _, info, _, params = smollm2
-    return Engine(build_model(info.config), params, slots=1, max_len=512)
+    runner = InferenceRunner(Engine(build_model(info.config), params, slots=1, max_len=512)).start(warmup=False)
+    yield runner
+    runner.stop()
 
 
 def prompt_ids(tokenizer, case) -> list[int]:
@@ -33,10 +36,10 @@ def test_tokenization_matches_reference_for_every_case(smollm2, golden):
         assert tokenizer.decode(case["greedy_ids"]) == case["text"], case["name"]
 
 
-def test_greedy_kv_decoding_equals_reference_tokens_and_top5_logprobs(smollm2, golden, engine):
+def test_greedy_kv_decoding_equals_reference_tokens_and_top5_logprobs(smollm2, golden, runner):
     tokenizer = smollm2[2]
     for case in golden["cases"]:
-        tokens = list(generate(engine, case["prompt_ids"], 32, {"temperature": 0.0}, tokenizer.stop_ids))
+        tokens = runner.generate(Request(case["prompt_ids"], 32, {"temperature": 0.0}, tokenizer.stop_ids, logprobs=5))
         assert [t.id for t in tokens] == case["greedy_ids"], case["name"]
         for step, (token, reference) in enumerate(zip(tokens, case["top5"])):
             ours = dict(token.top)

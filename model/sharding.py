@@ -1,0 +1,98 @@
+"""Device mesh ("data", "model") and the partition rules that lay params and memory out on it.
+
+Parallelism is a table: each param path regex maps to the PartitionSpec it wants. A param that no
+rule matches is an error naming it. A dim is sharded on "model" only when the axis size divides it;
+otherwise that dim is replicated — e.g. SmolLM2's 9 query / 3 kv heads do not divide a 2-, 4- or
+8-way model axis, so its attention is replicated while its MLP (1536) and vocabulary (49152) are
+sharded. Tensor-parallel attention then needs heads divisible by the model axis.
+
+Memory: slots on "data"; kv heads on "model" when divisible (matching the k/v projections), else
+replicated.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.config import ModelConfig
+
+# (path regex, spec) — the spec lists one entry per dim; "model" = shard that dim when divisible.
+# Stacked layer params carry a leading [L] dim (never sharded).
+PARAM_RULES: list[tuple[str, P]] = [
+    (r"decoder/embed/embeddings$", P("model", None)),  # [V, D]: vocab-parallel
+    (r"decoder/lm_head/w$", P(None, "model")),  # [D, V]
+    (r"decoder/final_norm/scale$", P(None)),
+    (r"decoder/layers/(attn_norm|mlp_norm)/scale$", P(None, None)),
+    (r"decoder/layers/attention/(q_proj|k_proj|v_proj)/w$", P(None, None, "model")),  # [L, D, H*Dh]: heads
+    (r"decoder/layers/attention/o_proj/w$", P(None, "model", None)),  # [L, H*Dh, D]
+    (r"decoder/layers/mlp/(gate_proj|up_proj)/w$", P(None, None, "model")),  # [L, D, F]
+    (r"decoder/layers/mlp/down_proj/w$", P(None, "model", None)),  # [L, F, D]
+    (r"decoder/layers/moe/router/w$", P(None, None, None)),  # [L, D, E]
+    (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model")),  # [L, E, D, F]
+    (r"decoder/layers/moe/down_proj$", P(None, None, "model", None)),  # [L, E, F, D]
+]
+
+
+def parse_mesh(text: str | None, config: ModelConfig | None = None, devices=None) -> Mesh:
+    """"DxM" → a ("data", "model") mesh. Default: every device on "model" when that divides the
+    attention heads, else all on "data"."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    if text:
+        try:
+            data, model = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--mesh must look like DATAxMODEL (e.g. 2x4), got {text!r}") from None
+        if data * model != n:
+            raise ValueError(f"mesh {data}x{model} needs {data * model} devices, {n} available")
+    elif config is None or (config.n_heads % n == 0 and config.n_kv_heads % n == 0):
+        data, model = 1, n
+    else:
+        data, model = n, 1
+    return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drop axes that do not divide their dim (replicate that dim instead)."""
+    if len(spec) != len(shape):
+        raise ValueError(f"partition spec {spec} does not fit shape {shape}")
+    return P(*(a if a is None or shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec)))
+
+
+def param_specs(params_shapes: dict, mesh: Mesh) -> dict:
+    """{module: {name: PartitionSpec}} for a Haiku param tree (arrays or ShapeDtypeStructs)."""
+    specs: dict = {}
+    for module, names in params_shapes.items():
+        for name, leaf in names.items():
+            path = f"{module}/{name}"
+            spec = next((s for pattern, s in PARAM_RULES if re.search(pattern, path)), None)
+            if spec is None:
+                raise ValueError(f"no partition rule matches param {path!r}")
+            specs.setdefault(module, {})[name] = _fit(spec, tuple(leaf.shape), mesh)
+    return specs
+
+
+def param_shardings(params_shapes: dict, mesh: Mesh) -> dict:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(params_shapes, mesh),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def memory_spec(config: ModelConfig, mesh: Mesh) -> P:
+    """Spec of K and V [L, B, S, Hkv, Dh]."""
+    heads = "model" if config.n_kv_heads % mesh.shape["model"] == 0 else None
+    return P(None, "data", None, heads, None)
+
+
+def slots_spec() -> P:
+    """Per-slot vectors and [B, ...] arrays: slots on "data"."""
+    return P("data")
+
+
+def check_slots(slots: int, mesh: Mesh) -> None:
+    if slots % mesh.shape["data"]:
+        raise ValueError(f"{slots} slots do not divide over the data axis of size {mesh.shape['data']}")
