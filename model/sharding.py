@@ -21,20 +21,22 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 
-# (path regex, spec) — the spec lists one entry per dim; "model" = shard that dim when divisible.
+# (path regex, spec, unit) — the spec lists one entry per dim; "model" = shard that dim when the
+# axis divides `unit` (a config field: whole heads only), or the dim itself when unit is None.
 # Stacked layer params carry a leading [L] dim (never sharded).
-PARAM_RULES: list[tuple[str, P]] = [
-    (r"decoder/embed/embeddings$", P("model", None)),  # [V, D]: vocab-parallel
-    (r"decoder/lm_head/w$", P(None, "model")),  # [D, V]
-    (r"decoder/final_norm/scale$", P(None)),
-    (r"decoder/layers/(attn_norm|mlp_norm)/scale$", P(None, None)),
-    (r"decoder/layers/attention/(q_proj|k_proj|v_proj)/w$", P(None, None, "model")),  # [L, D, H*Dh]: heads
-    (r"decoder/layers/attention/o_proj/w$", P(None, "model", None)),  # [L, H*Dh, D]
-    (r"decoder/layers/mlp/(gate_proj|up_proj)/w$", P(None, None, "model")),  # [L, D, F]
-    (r"decoder/layers/mlp/down_proj/w$", P(None, "model", None)),  # [L, F, D]
-    (r"decoder/layers/moe/router/w$", P(None, None, None)),  # [L, D, E]
-    (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model")),  # [L, E, D, F]
-    (r"decoder/layers/moe/down_proj$", P(None, None, "model", None)),  # [L, E, F, D]
+PARAM_RULES: list[tuple[str, P, str | None]] = [
+    (r"decoder/embed/embeddings$", P("model", None), None),  # [V, D]: vocab-parallel
+    (r"decoder/lm_head/w$", P(None, "model"), None),  # [D, V]
+    (r"decoder/final_norm/scale$", P(None), None),
+    (r"decoder/layers/(attn_norm|mlp_norm)/scale$", P(None, None), None),
+    (r"decoder/layers/attention/q_proj/w$", P(None, None, "model"), "n_heads"),  # [L, D, H*Dh]
+    (r"decoder/layers/attention/(k_proj|v_proj)/w$", P(None, None, "model"), "n_kv_heads"),  # [L, D, Hkv*Dh]
+    (r"decoder/layers/attention/o_proj/w$", P(None, "model", None), "n_heads"),  # [L, H*Dh, D]
+    (r"decoder/layers/mlp/(gate_proj|up_proj)/w$", P(None, None, "model"), None),  # [L, D, F]
+    (r"decoder/layers/mlp/down_proj/w$", P(None, "model", None), None),  # [L, F, D]
+    (r"decoder/layers/moe/router/w$", P(None, None, None), None),  # [L, D, E]
+    (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model"), None),  # [L, E, D, F]
+    (r"decoder/layers/moe/down_proj$", P(None, None, "model", None), None),  # [L, E, F, D]
 ]
 
 
@@ -57,28 +59,29 @@ def parse_mesh(text: str | None, config: ModelConfig | None = None, devices=None
     return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
 
 
-def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Drop axes that do not divide their dim (replicate that dim instead)."""
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh, units: int | None) -> P:
+    """Replicate the dims whose size (or unit count) the mesh axis does not divide."""
     if len(spec) != len(shape):
         raise ValueError(f"partition spec {spec} does not fit shape {shape}")
-    return P(*(a if a is None or shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec)))
+    return P(*(a if a is None or (units or shape[i]) % mesh.shape[a] == 0 else None for i, a in enumerate(spec)))
 
 
-def param_specs(params_shapes: dict, mesh: Mesh) -> dict:
+def param_specs(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
     """{module: {name: PartitionSpec}} for a Haiku param tree (arrays or ShapeDtypeStructs)."""
     specs: dict = {}
     for module, names in params_shapes.items():
         for name, leaf in names.items():
             path = f"{module}/{name}"
-            spec = next((s for pattern, s in PARAM_RULES if re.search(pattern, path)), None)
-            if spec is None:
+            rule = next((r for r in PARAM_RULES if re.search(r[0], path)), None)
+            if rule is None:
                 raise ValueError(f"no partition rule matches param {path!r}")
-            specs.setdefault(module, {})[name] = _fit(spec, tuple(leaf.shape), mesh)
+            units = getattr(config, rule[2]) if rule[2] else None
+            specs.setdefault(module, {})[name] = _fit(rule[1], tuple(leaf.shape), mesh, units)
     return specs
 
 
-def param_shardings(params_shapes: dict, mesh: Mesh) -> dict:
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(params_shapes, mesh),
+def param_shardings(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(params_shapes, mesh, config),
                                   is_leaf=lambda x: isinstance(x, P))
 
 
@@ -88,9 +91,12 @@ def memory_spec(config: ModelConfig, mesh: Mesh) -> P:
     return P(None, "data", None, heads, None)
 
 
-def slots_spec() -> P:
-    """Per-slot vectors and [B, ...] arrays: slots on "data"."""
-    return P("data")
+def memory_shardings(config: ModelConfig, mesh: Mesh):
+    """KVMemory of NamedShardings: k, v per `memory_spec`, step [B] on "data"."""
+    from model.memory import KVMemory
+
+    kv = NamedSharding(mesh, memory_spec(config, mesh))
+    return KVMemory(kv, kv, NamedSharding(mesh, P("data")))
 
 
 def check_slots(slots: int, mesh: Mesh) -> None:

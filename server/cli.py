@@ -60,7 +60,7 @@ def load_runner(args, slots: int):
     mesh = parse_mesh(args.mesh, info.config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
-    params = store.params(args.model, param_shardings(param_shapes(info.config), mesh))
+    params = store.params(args.model, param_shardings(param_shapes(info.config), mesh, info.config))
     engine = Engine(build_model(info.config), params, slots=slots, max_len=args.max_len, mesh=mesh)
     return store.tokenizer(args.model), InferenceRunner(engine).start(warmup=False)
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.memory import KVMemory, init_memory
 from model.sampling import SampleOutput, SampleSettings, TokenHistory, empty_history, make_settings, sample
-from model.sharding import check_slots, memory_spec, param_shardings, parse_mesh
+from model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
 from model.transformer import Model, param_shapes
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -65,7 +65,7 @@ class Engine:
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         self.windows = window_sizes(max_len, min(128, max_len))
 
-        self.param_shardings = param_shardings(param_shapes(config), self.mesh)
+        self.param_shardings = param_shardings(param_shapes(config), self.mesh, config)
         self.params = jax.device_put(params, self.param_shardings)
         self.state_shardings = self._state_shardings()
         self.reset()
@@ -88,9 +88,9 @@ class Engine:
 
     def _state_shardings(self) -> DecodeState:
         rows, table = self._sharding("data"), self._sharding("data", None)
-        kv = NamedSharding(self.mesh, memory_spec(self.model.config, self.mesh))
         settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
-        return DecodeState(KVMemory(kv, kv, rows), rows, settings, TokenHistory(table, table))
+        memory = memory_shardings(self.model.config, self.mesh)
+        return DecodeState(memory, rows, settings, TokenHistory(table, table))
 
     # -- compiled bodies ------------------------------------------------------------------------
     def _prefill_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings):

@@ -77,3 +77,53 @@ def test_second_pull_is_a_no_op(smollm2_home):
 def test_models_lists_the_pulled_model(smollm2_home):
     out = hkserve("models", home=smollm2_home).stdout
     assert out.startswith("smollm2-135m-instruct\t")
+
+
+def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smollm2, golden):
+    import random
+    import threading
+
+    _, info, tokenizer, params = smollm2
+    runner = InferenceRunner(Engine(build_model(info.config), params, slots=4, max_len=256,
+                                    prefill_buckets=(16, 64)), max_queue=256).start(warmup=False)
+    rng = random.Random(1)
+    try:
+        streams = []
+        for i in range(200):
+            prompt = golden["cases"][i % 4]["prompt_ids"][: rng.randrange(1, 40)]
+            sampling = {"temperature": rng.choice([0.0, 0.8]), "seed": i}
+            streams.append(runner.submit(Request(prompt, rng.randrange(1, 9), sampling, tokenizer.stop_ids)))
+        doomed = rng.sample(streams, 60)
+
+        def cancel_later():
+            for stream in doomed:
+                time.sleep(rng.uniform(0, 0.05))
+                runner.cancel(stream.request.id)
+
+        canceller = threading.Thread(target=cancel_later)
+        canceller.start()
+        for stream in streams:
+            events = list(stream)
+            finals = [e for e in events if e.finish_reason is not None]
+            tokens = [e for e in events if e.token is not None]
+            assert len(finals) == 1 and events[-1] is finals[0]
+            reason = finals[0].finish_reason
+            assert reason in ("stop", "length", "cancelled"), finals[0]
+            assert len(tokens) <= stream.request.max_tokens
+            if reason == "length":
+                assert len(tokens) == stream.request.max_tokens
+            if reason == "stop":
+                assert tokens[-1].token.id in tokenizer.stop_ids
+            if reason == "cancelled":
+                assert stream in doomed
+        canceller.join()
+        assert sum(1 for s in streams if s.done) == 200
+        deadline = time.time() + 5
+        while runner.stats().running and time.time() < deadline:
+            time.sleep(0.01)
+        assert runner.stats() == (4, 0, 0)
+        for case in golden["cases"]:  # still exact afterwards
+            got = runner.generate(Request(case["prompt_ids"], 32, {}, tokenizer.stop_ids))
+            assert [t.id for t in got] == case["greedy_ids"], case["name"]
+    finally:
+        runner.stop()

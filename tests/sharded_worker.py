@@ -1,0 +1,97 @@
+"""Run in a subprocess with 8 simulated CPU devices (XLA_FLAGS set by the caller before jax loads):
+greedy tokens and logits of a model on several meshes, saved to an .npz for the test to compare."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import jax
+import numpy as np
+
+from model.config import tiny_config
+from model.memory import init_memory
+from model.sharding import memory_shardings, param_shardings, parse_mesh
+from model.transformer import build_model, param_shapes
+from server.engine import Engine
+from server.runner import InferenceRunner, Request
+
+MESHES = ["1x1", "1x8", "2x4", "8x1"]
+
+
+def mesh_for(name: str):
+    return parse_mesh(name, devices=jax.devices()[:1] if name == "1x1" else jax.devices())
+
+
+def prompt_logits(model, params, prompts, mesh) -> np.ndarray:
+    """Last-position logits of each prompt, computed with sharded params and memory. [N, V]"""
+    n = len(prompts)
+    prompts = prompts + prompts[:(-n) % mesh.shape["data"]]  # rows divide over the data axis
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    memory = jax.device_put(init_memory(model.config, len(prompts), width), memory_shardings(model.config, mesh))
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    logits, _ = jax.jit(model.forward, static_argnums=(5, 6))(params, tokens, memory, lengths, None, width, True)
+    return np.asarray(logits)[:n]
+
+
+def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = [t.id for t in runner.generate(Request(prompts[i], max_tokens, {}, stop_ids, logprobs=5))]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def main(kind: str, out: str, home: str | None = None) -> None:
+    assert len(jax.devices()) == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    if kind == "tiny":
+        config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
+        model = build_model(config)
+        host_params = model.init(jax.random.PRNGKey(3))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, 96, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 2)]
+        max_tokens, stop_ids = 12, ()
+    else:
+        import json
+
+        from checkpoint.store import ModelStore
+
+        store = ModelStore(home)
+        info = store.info("smollm2-135m-instruct")
+        config, model = info.config, build_model(info.config)
+        cases = json.load(open(sys.argv[4]))["cases"]
+        prompts = [c["prompt_ids"] for c in cases]
+        max_tokens, stop_ids = 32, store.tokenizer(info.name).stop_ids
+    results = {}
+    for name in MESHES:
+        mesh = mesh_for(name)
+        shardings = param_shardings(param_shapes(config), mesh, config)
+        if kind == "tiny":
+            params = jax.device_put(host_params, shardings)
+        else:
+            params = store.params(info.name, shardings)  # restored straight onto the mesh
+            for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
+                assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
+        engine = Engine(model, params, slots=8, max_len=256, prefill_buckets=(16, 32, 64), mesh=mesh)
+        runner = InferenceRunner(engine).start(warmup=False)
+        try:
+            tokens = greedy(runner, prompts, max_tokens, stop_ids)
+        finally:
+            runner.stop()
+        results[f"{name}/logits"] = prompt_logits(model, params, prompts, mesh)
+        results[f"{name}/tokens"] = np.asarray([t + [-1] * (max_tokens - len(t)) for t in tokens])
+        print(name, "done", flush=True)
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *sys.argv[3:4])

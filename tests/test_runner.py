@@ -1,0 +1,157 @@
+"""InferenceRunner on a tiny random model: continuous batching, sampling semantics, cancellation."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import tiny_config
+from model.memory import init_memory
+from model.transformer import build_model
+from server.engine import ContextLengthError, Engine
+from server.runner import InferenceRunner, Overloaded, Request
+
+CONFIG = tiny_config(vocab_size=96)
+MODEL = build_model(CONFIG)
+PARAMS = MODEL.init(jax.random.PRNGKey(7))
+PROMPT = [5, 17, 33, 2, 64, 9, 11]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    # attention windows 128/256 (the context is 256): batch mates change the window a request sees
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=4, max_len=512, prefill_buckets=(8, 16, 32)), max_queue=256)
+    runner.start()
+    yield runner
+    runner.stop()
+
+
+def ids(tokens) -> list[int]:
+    return [t.id for t in tokens]
+
+
+def model_logprobs(prompt) -> np.ndarray:
+    logits, _ = MODEL.forward(PARAMS, np.asarray([prompt], np.int32), init_memory(CONFIG, 1, len(prompt)),
+                              np.asarray([len(prompt)], np.int32))
+    return np.asarray(jax.nn.log_softmax(logits[0, -1]))
+
+
+def test_greedy_and_seeded_tokens_are_identical_alone_or_among_other_requests(runner):
+    greedy = Request(PROMPT, 24)
+    seeded = Request(PROMPT[:4], 24, {"temperature": 0.9, "top_p": 0.95, "seed": 1234})
+    alone = [ids(runner.generate(greedy)), ids(runner.generate(seeded))]
+
+    rng = random.Random(0)
+    results = {}
+
+    def run(name, request, delay):
+        time.sleep(delay)
+        results[name] = ids(runner.generate(request))
+
+    threads = [threading.Thread(target=run, args=(f"noise{i}", Request(
+        [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 200))], rng.randrange(1, 30),
+        {"temperature": rng.choice([0.0, 1.0]), "seed": i}), rng.uniform(0, 0.3))) for i in range(12)]
+    threads += [threading.Thread(target=run, args=("greedy", Request(PROMPT, 24), 0.05)),
+                threading.Thread(target=run, args=("seeded", Request(PROMPT[:4], 24, seeded.sampling), 0.12))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results["greedy"], results["seeded"]] == alone
+
+
+def test_same_seed_same_tokens_and_different_seed_differs(runner):
+    a = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 5})))
+    b = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 5})))
+    c = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 6})))
+    assert a == b and a != c
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(runner):
+    greedy = ids(runner.generate(Request(PROMPT, 16)))
+    assert ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.3, "top_k": 1, "seed": 3}))) == greedy
+    assert ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.3, "top_p": 1e-6, "seed": 3}))) == greedy
+
+
+def test_min_p_filters_unlikely_tokens(runner):
+    """min_p applies to the temperature-scaled distribution (as in vLLM and transformers)."""
+    logprobs = model_logprobs(PROMPT)
+    allowed = set(np.flatnonzero(logprobs / 2.0 >= logprobs.max() / 2.0 + np.log(0.5)))
+    firsts = {runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "min_p": 0.5, "seed": s}))[0].id for s in range(30)}
+    assert firsts <= allowed
+    unfiltered = {runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "seed": s}))[0].id for s in range(30)}
+    assert not unfiltered <= allowed
+
+
+def test_logit_bias_bans_and_forces_tokens(runner):
+    greedy = ids(runner.generate(Request(PROMPT, 8)))
+    banned = ids(runner.generate(Request(PROMPT, 8, {"logit_bias": {greedy[0]: -100}})))
+    assert greedy[0] not in banned
+    forced = ids(runner.generate(Request(PROMPT, 8, {"temperature": 1.0, "seed": 1, "logit_bias": {42: 100}})))
+    assert forced == [42] * 8
+
+
+def test_penalties_act_on_generated_and_prompt_tokens(runner):
+    plain = ids(runner.generate(Request(PROMPT, 24)))
+    assert len(set(plain)) < len(plain)  # the random model repeats itself
+    frequency = ids(runner.generate(Request(PROMPT, 24, {"frequency_penalty": 50.0})))
+    presence = ids(runner.generate(Request(PROMPT, 24, {"presence_penalty": 50.0})))
+    assert len(set(frequency)) == len(frequency) == len(set(presence)) == 24
+    repetition = ids(runner.generate(Request(PROMPT, 24, {"repetition_penalty": 1e4})))
+    assert not set(repetition) & set(PROMPT) and len(set(repetition)) == 24
+
+
+def test_top_logprobs_match_log_softmax_and_sum_to_at_most_one(runner):
+    (token,) = runner.generate(Request(PROMPT, 1, logprobs=5))
+    reference = model_logprobs(PROMPT)
+    top_ids = [i for i, _ in token.top]
+    assert top_ids == list(np.argsort(-reference)[:5])
+    np.testing.assert_allclose([lp for _, lp in token.top], reference[top_ids], atol=1e-5)
+    assert np.exp([lp for _, lp in token.top]).sum() <= 1.0 + 1e-6
+    assert token.logprob == pytest.approx(reference[token.id], abs=1e-5)
+
+
+def test_stop_ids_and_max_tokens_finish_with_the_right_reason(runner):
+    greedy = ids(runner.generate(Request(PROMPT, 10)))
+    events = list(runner.submit(Request(PROMPT, 10, stop_ids=(greedy[3],))))
+    assert [e.token.id for e in events if e.token] == greedy[:greedy.index(greedy[3]) + 1]
+    assert events[-1].finish_reason == "stop"
+    events = list(runner.submit(Request(PROMPT, 5)))
+    assert len([e for e in events if e.token]) == 5 and events[-1].finish_reason == "length"
+
+
+def test_bad_requests_are_refused_with_clear_errors(runner):
+    with pytest.raises(ContextLengthError, match="256.*270"):
+        runner.submit(Request(list(range(30)), 240))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.submit(Request([CONFIG.vocab_size + 3], 4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        runner.submit(Request(PROMPT, 0))
+
+
+def test_full_queue_raises_overloaded_and_cancel_frees_waiting_requests():
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=1, max_len=64, prefill_buckets=(8,)), max_queue=2)
+    # not started: nothing leaves the queue
+    first, second = runner.submit(Request(PROMPT, 4)), runner.submit(Request(PROMPT, 4))
+    with pytest.raises(Overloaded):
+        runner.submit(Request(PROMPT, 4))
+    runner.cancel(second.request.id)
+    runner.start(warmup=False)
+    try:
+        assert list(second)[-1].finish_reason == "cancelled"
+        assert list(first)[-1].finish_reason == "length"
+    finally:
+        runner.stop()
+
+
+def test_long_prompt_is_prefilled_in_chunks(runner):
+    prompt = [(i * 7) % CONFIG.vocab_size for i in range(70)]  # 32 + 32 + 6
+    seq = list(prompt)
+    for _ in range(6):
+        seq.append(int(np.argmax(model_logprobs(seq))))
+    assert ids(runner.generate(Request(prompt, 6))) == seq[len(prompt):]

@@ -1,0 +1,67 @@
+"""Sharded equals single-device: meshes 1x8, 2x4 and 8x1 of 8 simulated CPU devices against 1x1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, require_fixtures
+from model.config import tiny_config
+from model.sharding import param_specs, parse_mesh
+from model.transformer import param_shapes
+
+MESHES = ["1x8", "2x4", "8x1"]
+
+
+def run_worker(*args: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_worker.py"), *args], env=env,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dict(np.load(args[1]))
+
+
+def assert_meshes_agree(results: dict) -> None:
+    for mesh in MESHES:
+        np.testing.assert_array_equal(results[f"{mesh}/tokens"], results["1x1/tokens"], err_msg=mesh)
+        np.testing.assert_allclose(results[f"{mesh}/logits"], results["1x1/logits"], atol=1e-4, rtol=0, err_msg=mesh)
+
+
+def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
+    assert_meshes_agree(run_worker("tiny", str(tmp_path / "tiny.npz")))
+
+
+def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):
+    results = run_worker("smollm2", str(tmp_path / "smollm2.npz"), str(smollm2_home),
+                         str(require_fixtures() / "smollm2_golden.json"))
+    assert_meshes_agree(results)
+    for row, case in enumerate(golden["cases"]):
+        got = [t for t in results["1x1/tokens"][row].tolist() if t >= 0]
+        assert got == case["greedy_ids"], case["name"]
+
+
+def test_every_param_has_a_rule_and_non_dividing_heads_are_replicated():
+    import jax
+
+    config = tiny_config(n_heads=9, n_kv_heads=3, head_dim=16, ffn_dim=128)
+    mesh = parse_mesh("1x1")
+    specs = param_specs(param_shapes(config), mesh, config)
+    assert set(specs) == set(param_shapes(config))
+    devices = np.asarray(jax.devices()[:1] * 4).reshape(1, 4)  # a 1x4 mesh shape, for spec fitting only
+    fake = jax.sharding.Mesh(devices, ("data", "model"))
+    specs = param_specs(param_shapes(config), fake, config)
+    assert specs["decoder/layers/attention/q_proj"]["w"] == jax.sharding.PartitionSpec(None, None, None)
+    assert specs["decoder/layers/mlp/up_proj"]["w"] == jax.sharding.PartitionSpec(None, None, "model")
+    assert specs["decoder/embed"]["embeddings"] == jax.sharding.PartitionSpec("model", None)
+
+
+def test_a_param_without_rule_is_an_error_naming_it():
+    import jax
+
+    shapes = {"decoder/mystery": {"w": jax.ShapeDtypeStruct((4, 4), np.float32)}}
+    with pytest.raises(ValueError, match="decoder/mystery/w"):
+        param_specs(shapes, parse_mesh("1x1"), tiny_config())
