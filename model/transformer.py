@@ -31,19 +31,22 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     embed = Embed(c.vocab_size, c.dim, dtype)
     x = embed(tokens)  # [b, T, D]
 
-    def block(x, k_past, v_past):
+    def block(x, layer):
+        # Read this layer's past straight from the memory (no stacked copy of the window is made).
+        k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
+        v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
+        if slots is None:
+            k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
+        else:
+            k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
         h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, dtype, "attn_norm")(x), positions, k_past, v_past, past_len)
         x = x + h
         ffn = MoE(c) if c.n_experts else MLP(c)
         x = x + ffn(RMSNorm(c.norm_eps, dtype, "mlp_norm")(x))
         return x, (k_new, v_new)
 
-    if slots is None:
-        k_past, v_past = memory.k[:, :, :attend_len], memory.v[:, :, :attend_len]  # [L, B, W, Hkv, Dh]
-    else:
-        k_past, v_past = memory.k[:, rows, :attend_len], memory.v[:, rows, :attend_len]  # [L, b, W, Hkv, Dh]
     stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
-    x, (k_new, v_new) = stack(block)(x, k_past, v_past)  # k_new: [L, B, T, Hkv, Dh]
+    x, (k_new, v_new) = stack(block)(x, jnp.arange(c.n_layers))  # k_new: [L, b, T, Hkv, Dh]
 
     # Write the new keys once, outside the scan, so the donated memory is updated in place.
     # Padding (t >= lengths[b]) goes to index S, which mode="drop" discards.

@@ -1,0 +1,364 @@
+"""`hkserve bench engine`: decode throughput of the Engine, next to a peer and to this machine's limits.
+
+A throughput figure alone says little, so one run measures three things on the same weights:
+  * hkserve: the Engine decoding with every slot active, read one step behind as the runner does;
+  * the peer: Hugging Face transformers (torch, float32) greedy decoding with its KV cache;
+  * the limits: memory read bandwidth (→ tok/s if every step must stream all weights) and float32
+    matmul FLOP/s (→ tok/s if every token costs 2 FLOPs per weight).
+Results go to stdout (a table; with --json the last line is one JSON object), progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from checkpoint.store import DEFAULT_MODEL
+
+WARMUP_STEPS = 2
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+# -- limits -------------------------------------------------------------------------------------
+def measure_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Best memory read bandwidth (bytes/s): numpy sums of an array far larger than the caches, one
+    chunk per core (numpy releases the GIL), since the engine's step also runs on every core."""
+    data = np.full(megabytes * 2**20 // 4, 1.0, np.float32)
+    chunks = np.array_split(data, os.cpu_count() or 1)
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def measure_matmul(n: int = 2048, repeats: int = 10) -> float:
+    """Best float32 matmul FLOP/s of XLA on this backend (jit of an n×n dot, after its compile)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def weights_per_token(config) -> int:
+    """Weights one decode step reads and multiplies: all of them, except that an untied input
+    embedding table is only indexed (one row per token). A tied table counts once, as the head."""
+    return config.n_params - (0 if config.tie_embeddings else config.vocab_size * config.dim)
+
+
+# -- hkserve ------------------------------------------------------------------------------------
+def _decode(step, steps: int) -> float:
+    """Seconds for `steps` dispatches of `step()` read one step behind (dispatch k, then read k-1),
+    as server/runner.py does, so the host never makes the device wait."""
+    start = time.perf_counter()
+    previous = None
+    for _ in range(steps):
+        pending = step()
+        if previous is not None:
+            previous.read()
+        previous = pending
+    if previous is not None:
+        previous.read()
+    return time.perf_counter() - start
+
+
+def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, repeats: int, max_len: int) -> float:
+    """Decode tok/s of an Engine with `slots` slots, all active, greedy; median over repeats.
+
+    Each repeat prefills every slot afresh, so all repeats decode the same positions (and attention
+    windows). A first untimed pass compiles the prefill and every window the timed steps reach."""
+    from server.engine import Engine
+
+    engine = Engine(model, params, slots=slots, max_len=max_len)
+    if prompts.shape[1] + WARMUP_STEPS + steps >= engine.max_len:
+        raise ValueError(f"prompt {prompts.shape[1]} + {WARMUP_STEPS + steps} steps do not fit max_len "
+                         f"{engine.max_len}")
+    active = np.ones(slots, bool)
+    times = []
+    for repeat in range(repeats + 1):
+        for slot in range(slots):
+            first = engine.prefill(slot, prompts[slot].tolist(), {"temperature": 0.0})
+        first.read()
+        _decode(lambda: engine.step(active), WARMUP_STEPS)
+        seconds = _decode(lambda: engine.step(active), steps)
+        if repeat:
+            times.append(seconds)
+    return slots * steps / statistics.median(times)
+
+
+# -- Hugging Face transformers peer -------------------------------------------------------------
+def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
+    """Our param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
+    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. float32."""
+    def get(module: str, name: str) -> np.ndarray:
+        return np.asarray(params[module][name], np.float32)
+
+    out = {"model.embed_tokens.weight": get("decoder/embed", "embeddings"),
+           "model.norm.weight": get("decoder/final_norm", "scale")}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = get("decoder/lm_head", "w").T
+    stacked = {
+        "input_layernorm.weight": get("decoder/layers/attn_norm", "scale"),
+        "post_attention_layernorm.weight": get("decoder/layers/mlp_norm", "scale"),
+    }
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        stacked[f"self_attn.{proj}.weight"] = get(f"decoder/layers/attention/{proj}", "w").swapaxes(1, 2)
+    if config.n_experts:
+        stacked["block_sparse_moe.gate.weight"] = get("decoder/layers/moe/router", "w").swapaxes(1, 2)
+        for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+            experts = get("decoder/layers/moe", ours).swapaxes(2, 3)  # [L, E, out, in]
+            for e in range(config.n_experts):
+                stacked[f"block_sparse_moe.experts.{e}.{theirs}.weight"] = experts[:, e]
+    else:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked[f"mlp.{proj}.weight"] = get(f"decoder/layers/mlp/{proj}", "w").swapaxes(1, 2)
+    for name, value in stacked.items():
+        for i in range(config.n_layers):
+            out[f"model.layers.{i}.{name}"] = value[i]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config(config):
+    """Our ModelConfig → a transformers LlamaConfig (MixtralConfig for MoE), float32."""
+    import transformers
+
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.ffn_dim,
+                  num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+                  num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.norm_eps,
+                  rope_theta=config.rope_theta, max_position_embeddings=config.context_length,
+                  tie_word_embeddings=config.tie_embeddings, hidden_act="silu", torch_dtype="float32")
+    if config.n_experts:
+        return transformers.MixtralConfig(num_local_experts=config.n_experts,
+                                          num_experts_per_tok=config.n_experts_per_token,
+                                          architectures=["MixtralForCausalLM"], **common)
+    return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **common)
+
+
+def load_hf_peer(config, params):
+    """The transformers model on our weights, loaded the way a user would: save an HF checkpoint
+    (config.json + safetensors) and `from_pretrained` it, so transformers applies its own layout."""
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory(prefix="hkserve-bench-") as tmp:
+        hf_config(config).save_pretrained(tmp)
+        save_file(hf_checkpoint_tensors(config, params), os.path.join(tmp, "model.safetensors"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp)
+    return model.to(torch.float32).eval()
+
+
+def peer_logits_error(hf_model, model, params, prompt: np.ndarray) -> float:
+    """Max |logit difference| between the peer and our forward pass on one prompt [T]."""
+    import jax
+    import torch
+
+    from model.memory import init_memory
+
+    ids = np.asarray(prompt, np.int32)[None]
+    memory = init_memory(model.config, 1, ids.shape[1])
+    ours, _ = jax.jit(model.forward)(params, ids, memory, np.asarray([ids.shape[1]], np.int32))
+    with torch.inference_mode():
+        theirs = hf_model(input_ids=torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+    return float(np.max(np.abs(np.asarray(ours, np.float32) - theirs)))
+
+
+def bench_hf(hf_model, prompts: np.ndarray, steps: int, repeats: int) -> float:
+    """Greedy decode tok/s of the peer at batch len(prompts): a manual loop over its KV cache
+    (past_key_values), so only decode steps are timed, not prefill or generate()'s bookkeeping."""
+    import torch
+
+    batch = prompts.shape[0]
+    times = []
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            out = hf_model(input_ids=torch.from_numpy(prompts.astype(np.int64)), use_cache=True)
+            for i in range(WARMUP_STEPS + steps):
+                if i == WARMUP_STEPS:
+                    start = time.perf_counter()
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = hf_model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1].argmax(-1)  # the step's result on the host, as hkserve's read
+            if repeat:
+                times.append(time.perf_counter() - start)
+    return batch * steps / statistics.median(times)
+
+
+def run_peer(config, model, params, prompts: np.ndarray, batches: list[int], steps: int, repeats: int):
+    """{batch: tok/s} for the transformers peer, or None (with the reason on stderr)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        _log(f"peer skipped: torch/transformers not importable ({e}); `pip install -e '.[bench]'`")
+        return None, {}
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "torch_threads": torch.get_num_threads()}
+    _log(f"peer: transformers {transformers.__version__}, torch {torch.__version__} "
+         f"({torch.get_num_threads()} threads, torch's default)")
+    hf_model = load_hf_peer(config, params)
+    error = peer_logits_error(hf_model, model, params, prompts[0, :16])
+    _log(f"peer: max |logit difference| vs hkserve = {error:.2e}")
+    if not error <= 1e-3:
+        _log(f"WARNING: the peer's logits differ from ours by {error:.2e} (> 1e-3): weight conversion is wrong; "
+             f"peer skipped")
+        return None, versions
+    results = {}
+    for batch in batches:
+        _log(f"peer: batch {batch} ...")
+        results[batch] = bench_hf(hf_model, prompts[:batch], steps, repeats)
+    return results, versions
+
+
+# -- the command --------------------------------------------------------------------------------
+def _pct(value, limit) -> str:
+    return f"{100 * value / limit:.1f}%" if value is not None and limit else "-"
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def cmd_bench_engine(args) -> int:
+    import jax
+
+    from checkpoint.store import ModelStore
+    from model.transformer import build_model
+
+    store = ModelStore()
+    info = store.info(args.model)
+    config = info.config
+    params = store.params(args.model)
+    model = build_model(config)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (max(args.slots + args.hf_batches), args.prompt_len), np.int32)
+
+    _log("limits: measuring memory bandwidth and matmul FLOP/s ...")
+    bandwidth = measure_bandwidth(args.bandwidth_mb)
+    flops = measure_matmul()
+    weights = weights_per_token(config)
+    weight_bytes = weights * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
+    bandwidth_tok_s = bandwidth / weight_bytes  # batch 1: every step streams all weights
+    compute_tok_s = flops / (2 * weights)  # any batch: 2 FLOPs per weight per token
+
+    ours = {}
+    for slots in args.slots:
+        _log(f"hkserve: {slots} slots ...")
+        ours[slots] = bench_hkserve(model, params, slots, prompts[:slots], args.steps, args.repeats, args.max_len)
+    peer, versions = run_peer(config, model, params, prompts, args.hf_batches, args.steps, args.repeats)
+
+    lo, hi = min(args.slots), max(args.slots)
+    hf_lo, hf_hi = min(args.hf_batches), max(args.hf_batches)
+    ratios = {
+        f"hkserve_{lo}_over_hf_{hf_lo}": _ratio(ours[lo], (peer or {}).get(hf_lo)),
+        f"hkserve_{hi}_over_hf_{hf_hi}": _ratio(ours[hi], (peer or {}).get(hf_hi)),
+        f"hkserve_{lo}_over_bandwidth_limit": _ratio(ours[lo], lo * bandwidth_tok_s),
+        f"hkserve_{hi}_over_compute_limit": _ratio(ours[hi], compute_tok_s),
+    }
+    env = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "backend": jax.default_backend(), "jax": jax.__version__, **versions}
+
+    print(f"hkserve bench engine: {args.model} ({config.n_params / 1e6:.1f}M params, {config.dtype}, "
+          f"{config.n_layers} layers), prompt {args.prompt_len} tokens, {args.steps} timed greedy decode steps, "
+          f"median of {args.repeats}")
+    print(f"machine: {env['cpus']} CPUs ({env['machine']}), jax {env['jax']} on {env['backend']}"
+          + (f", torch {versions['torch']} ({versions['torch_threads']} threads), transformers "
+             f"{versions['transformers']}" if versions else "") + f", {env['date']}")
+    print(f"limits: memory read {bandwidth / 1e9:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per step "
+          f"= {bandwidth_tok_s:.1f} tok/s at batch 1 (N x that at batch N); float32 matmul "
+          f"{flops / 1e9:.1f} GFLOP/s / {2 * weights / 1e6:.0f} MFLOP per token = {compute_tok_s:.1f} tok/s")
+    print(f"{'engine':<14}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'% bandwidth limit':>19}{'% compute limit':>17}")
+    rows = [("hkserve", n, v) for n, v in ours.items()] + [("transformers", n, v) for n, v in (peer or {}).items()]
+    for name, n, tok_s in rows:
+        print(f"{name:<14}{n:>6}{tok_s:>10.1f}{1e3 * n / tok_s:>10.1f}{_pct(tok_s, n * bandwidth_tok_s):>19}"
+              f"{_pct(tok_s, compute_tok_s):>17}")
+    if peer is None:
+        print("transformers: skipped (see stderr)")
+    for key, value in ratios.items():
+        print(f"{key}: {'-' if value is None else f'{value:.3f}'}")
+
+    if args.json:
+        def by_batch(d):
+            return None if d is None else {str(k): v for k, v in d.items()}
+
+        print(json.dumps({
+            "model": args.model, "hkserve": by_batch(ours), "hf_transformers": by_batch(peer),
+            "limits": {"bandwidth_gb_s": bandwidth / 1e9, "bandwidth_tok_s": bandwidth_tok_s,
+                       "matmul_gflop_s": flops / 1e9, "compute_tok_s": compute_tok_s,
+                       "weight_bytes_per_step": weight_bytes},
+            "ratios": ratios, "env": env,
+            "settings": {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats,
+                         "max_len": args.max_len},
+        }))
+    sys.stdout.flush()
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """`bench` with its benchmarks as sub-subcommands (engine now; serve, vq later)."""
+    bench = subparsers.add_parser("bench", help="measure throughput (see docs/benchmarks.md)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = kinds.add_parser("engine", help="decode tok/s of the Engine vs transformers and this machine's limits")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--slots", type=_int_list, default=[1, 4, 16], help="comma list of slot counts (default 1,4,16)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
+    p.add_argument("--repeats", type=int, default=3, help="timed measurements per figure; the median is reported")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens prefilled into every slot")
+    p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.add_argument("--hf-batches", type=_int_list, default=[1, 8],
+                   help="batch sizes of the transformers peer (default 1,8)")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
+    p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    p.set_defaults(func=cmd_bench_engine)
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m server.bench engine ...` until the command is wired into server/cli.py."""
+    parser = argparse.ArgumentParser(prog="hkserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _log(f"hkserve bench: error: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
