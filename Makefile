@@ -15,8 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/hkserve pull
-	$(BIN)/hkserve generate --chat "Hello! What can you do?" --max-tokens 96
+	$(BIN)/hkserve serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -7,6 +7,7 @@ ModelProto), an HF directory (tokenizer.json or tokenizer.model), or the model s
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,18 @@ class Tokenizer:
             ids = [i for i in ids if not self.backend.is_control(i)]
         return self.backend.decode(ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-level token may be part of a character)."""
+        piece = self.token_text(token_id)
+        if self.kind == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        table = _byte_decoder()
+        if piece and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode()
+
     def token_text(self, token_id: int) -> str:
         if self.kind == "hf":
             return self.backend.id_to_token(int(token_id)) or ""
@@ -98,12 +111,15 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
-            eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+                eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
+            )
+        except jinja2.TemplateError as e:  # the template refused these messages (raise_exception)
+            raise ValueError(f"chat template: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The template writes any BOS itself, so none is added on top."""
@@ -193,6 +209,20 @@ class Tokenizer:
         return cls(kind, backend, bos_id=special("bos"), eos_id=special("eos"), pad_id=special("pad"),
                    add_bos=bool(tcfg.get("add_bos_token", kind == "sentencepiece")), chat_template=template,
                    extra_stop_ids=extra)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: printable stand-in character → byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _read_json(path: Path) -> dict:

@@ -198,11 +198,15 @@ def peer_logits_error(hf_model, model, params, prompt: np.ndarray) -> float:
 
 
 def bench_hf(hf_model, prompts: np.ndarray, steps: int, repeats: int) -> float:
-    """Greedy decode tok/s of the peer at batch len(prompts): a manual loop over its KV cache
-    (past_key_values), so only decode steps are timed, not prefill or generate()'s bookkeeping."""
+    """Greedy decode tok/s of the peer at batch len(prompts): a manual loop over its KV cache, so
+    only decode steps are timed, not prefill or generate()'s bookkeeping."""
+    import inspect
+
     import torch
 
-    batch = prompts.shape[0]
+    # transformers 5.2x renamed `past_key_values` to `cache` (argument and output); accept either.
+    key = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    batch, prompt_len = prompts.shape
     times = []
     with torch.inference_mode():
         for repeat in range(repeats + 1):
@@ -211,10 +215,14 @@ def bench_hf(hf_model, prompts: np.ndarray, steps: int, repeats: int) -> float:
                 if i == WARMUP_STEPS:
                     start = time.perf_counter()
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = hf_model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-            token = out.logits[:, -1].argmax(-1)  # the step's result on the host, as hkserve's read
+                out = hf_model(input_ids=token, use_cache=True, **{key: out[key]})
+            token = out.logits[:, -1].argmax(-1)  # the last step's tokens on the host, as hkserve reads them
             if repeat:
                 times.append(time.perf_counter() - start)
+            cached = out[key].get_seq_length()
+            if cached != prompt_len + WARMUP_STEPS + steps:
+                raise RuntimeError(f"the peer's KV cache holds {cached} positions, expected "
+                                   f"{prompt_len + WARMUP_STEPS + steps}: it is not decoding incrementally")
     return batch * steps / statistics.median(times)
 
 

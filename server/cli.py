@@ -44,8 +44,9 @@ def cmd_models(args) -> int:
     return 0
 
 
-def load_runner(args, slots: int):
-    """Model from the store (pulling the default one if absent) → (tokenizer, started runner)."""
+def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
+    """Model from the store (pulling the default one if absent) → (tokenizer, runner, context length).
+    The runner is started without warm-up when `start` (one-shot use), else left for the caller."""
     from model.sharding import param_shardings, parse_mesh
     from model.transformer import build_model, param_shapes
     from server.engine import Engine
@@ -61,8 +62,12 @@ def load_runner(args, slots: int):
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(info.config), mesh, info.config))
-    engine = Engine(build_model(info.config), params, slots=slots, max_len=args.max_len, mesh=mesh)
-    return store.tokenizer(args.model), InferenceRunner(engine).start(warmup=False)
+    engine = Engine(build_model(info.config), params, slots=slots, max_len=args.max_len, mesh=mesh,
+                    n_top=getattr(args, "max_logprobs", 5))
+    runner = InferenceRunner(engine, max_queue=max_queue)
+    if start:
+        runner.start(warmup=False)
+    return store.tokenizer(args.model), runner, engine.max_len
 
 
 def cmd_generate(args) -> int:
@@ -70,7 +75,7 @@ def cmd_generate(args) -> int:
     from server.runner import Request
 
     started = time.perf_counter()
-    tokenizer, runner = load_runner(args, slots=1)
+    tokenizer, runner, _ = load_runner(args, slots=1)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
@@ -103,6 +108,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from server.serve import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hkserve", description="JAX + Haiku LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list the model store")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
+    p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
     p.add_argument("prompt")
