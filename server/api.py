@@ -30,6 +30,22 @@ OPEN_PATHS = {"/health", "/metrics"}
 log = logging.getLogger("hkserve.api")
 
 
+class GuardMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the routes)."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            try:
+                self.check(scope)
+            except APIError as e:
+                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, api_key: str | None = None,
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = 4 << 20) -> FastAPI:
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
@@ -37,8 +53,6 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
     created = int(time.time())
     metrics = Metrics(runner.stats)
     app.state.metrics = metrics
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
 
     # -- errors -----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -61,22 +75,22 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
         body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
         return JSONResponse(body, status_code=500)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
+    def _guard(scope) -> None:
         """API key, body size and readiness, before any route runs."""
-        try:
-            path = request.url.path
-            if api_key and path not in OPEN_PATHS:
-                if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                    raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                   "authentication_error", code="invalid_api_key")
-            if int(request.headers.get("content-length") or 0) > max_body_bytes:
-                raise APIError(413, f"request body larger than {max_body_bytes} bytes")
-            if path.startswith("/v1/") and path != "/v1/models":
-                _check_ready()
-        except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        return await call_next(request)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        if api_key and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+            if headers.get("authorization", "") != f"Bearer {api_key}":
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               "authentication_error", code="invalid_api_key")
+        if int(headers.get("content-length") or 0) > max_body_bytes:
+            raise APIError(413, f"request body larger than {max_body_bytes} bytes")
+        if path.startswith("/v1/") and path != "/v1/models":
+            _check_ready()
+
+    app.add_middleware(GuardMiddleware, check=_guard)
+    if cors_origins:  # added last = outermost, so errors from the guard carry CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
 
     def _check_ready():
         if app.state.draining:

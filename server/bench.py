@@ -275,6 +275,10 @@ def cmd_bench_engine(args) -> int:
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (max(args.slots + args.hf_batches), args.prompt_len), np.int32)
 
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        _log(f"WARNING: load average {load:.2f} before the benchmark: other processes share the CPUs and "
+             f"every figure below is low by an unknown amount")
     _log("limits: measuring memory bandwidth and matmul FLOP/s ...")
     bandwidth = measure_bandwidth(args.bandwidth_mb)
     flops = measure_matmul()
@@ -298,14 +302,14 @@ def cmd_bench_engine(args) -> int:
         f"hkserve_{hi}_over_compute_limit": _ratio(ours[hi], compute_tok_s),
     }
     env = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "cpus": os.cpu_count(),
-           "backend": jax.default_backend(), "jax": jax.__version__, **versions}
+           "backend": jax.default_backend(), "jax": jax.__version__, "load_1m_before": round(load, 2), **versions}
 
     print(f"hkserve bench engine: {args.model} ({config.n_params / 1e6:.1f}M params, {config.dtype}, "
           f"{config.n_layers} layers), prompt {args.prompt_len} tokens, {args.steps} timed greedy decode steps, "
           f"median of {args.repeats}")
     print(f"machine: {env['cpus']} CPUs ({env['machine']}), jax {env['jax']} on {env['backend']}"
           + (f", torch {versions['torch']} ({versions['torch_threads']} threads), transformers "
-             f"{versions['transformers']}" if versions else "") + f", {env['date']}")
+             f"{versions['transformers']}" if versions else "") + f", {env['date']}, load average before {load:.2f}")
     print(f"limits: memory read {bandwidth / 1e9:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per step "
           f"= {bandwidth_tok_s:.1f} tok/s at batch 1 (N x that at batch N); float32 matmul "
           f"{flops / 1e9:.1f} GFLOP/s / {2 * weights / 1e6:.0f} MFLOP per token = {compute_tok_s:.1f} tok/s")

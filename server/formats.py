@@ -9,6 +9,7 @@ from server.generation import Generation, Update
 class _Format:
     object_final = ""
     object_chunk = ""
+    null_usage_in_chunks = True  # chat chunks carry "usage": null until the last (completion chunks omit it)
 
     def __init__(self, tokenizer: Tokenizer, model: str, body):
         self.tokenizer, self.model, self.body = tokenizer, model, body
@@ -34,11 +35,12 @@ class _Format:
         choice = self._chunk_choice(update)
         if choice is None:
             return []
-        return [self._envelope(gen, self.object_chunk, [choice], None, self.include_usage)]
+        return [self._envelope(gen, self.object_chunk, [choice], None, self.include_usage and self.null_usage_in_chunks)]
 
 
 class CompletionFormat(_Format):
     object_final = object_chunk = "text_completion"
+    null_usage_in_chunks = False
 
     def __init__(self, tokenizer: Tokenizer, model: str, body, echo: list[str] | None):
         super().__init__(tokenizer, model, body)
@@ -65,7 +67,7 @@ class CompletionFormat(_Format):
         if not self.echo:
             return []
         return [self._envelope(gen, self.object_chunk, [{"index": c.index, "text": self._prefix(c.index), "logprobs": None,
-                                                         "finish_reason": None}], None, self.include_usage)
+                                                         "finish_reason": None}])
                 for c in gen.choices]
 
     def _chunk_choice(self, u: Update) -> dict | None:
