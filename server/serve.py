@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 import uvicorn
@@ -43,6 +44,9 @@ def run_server(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60,
                             lifespan="off")
     server = DrainingServer(config, app)
+    # uvicorn drains on SIGTERM, then re-raises it through the previous handler: make that handler a
+    # no-op so a drained shutdown exits 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     finally:
