@@ -108,6 +108,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    from server.sample import run
+
+    return run(args)
+
+
 def cmd_serve(args) -> int:
     from server.serve import run_server
 
@@ -147,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("sample", help="complete every prompt of a JSONL file (resumable)")
+    from server.sample import add_arguments as add_sample_arguments
+
+    add_sample_arguments(p)
+    p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
     p.add_argument("prompt")

@@ -1,0 +1,83 @@
+"""`hkserve sample`: golden texts from a JSONL file, kill-and-resume, per-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, hkserve
+from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_golden_cases_as_jsonl_reproduce_the_reference_texts(tmp_path, smollm2_home, golden):
+    rows = [{"id": c["name"], **({"messages": c["messages"]} if "messages" in c else {"prompt": c["prompt"]})}
+            for c in golden["cases"]]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    hkserve("sample", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--max-tokens", "32", "--slots", "4", "--max-len", "256", "--quiet", home=smollm2_home)
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [o["id"] for o in out] == [c["name"] for c in golden["cases"]]
+    for o, c in zip(out, golden["cases"]):
+        assert o["text"] == c["text"], c["name"]
+        assert o["usage"] == {"prompt_tokens": len(c["prompt_ids"]), "completion_tokens": len(c["greedy_ids"]),
+                              "total_tokens": len(c["prompt_ids"]) + len(c["greedy_ids"])}
+        assert o["finish_reason"] == ("stop" if c["greedy_ids"][-1] == 2 else "length")
+
+
+def _sample_cmd(inp, out, home):
+    env = {**os.environ, "HKSERVE_HOME": str(home), "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "server.cli", "sample", "--model", "tiny", "--input", str(inp), "--output", str(out),
+            "--max-tokens", "40", "--temperature", "0.9", "--seed", "11", "--slots", "2", "--quiet"]
+    return args, env
+
+
+def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(tmp_path, tiny_home):  # noqa: F811
+    rows = [{"id": i, "prompt": f"In the beginning {i}"} for i in range(40)]
+    rows[5]["seed"] = 99  # a line's own sampling settings override the flags
+    inp = tmp_path / "in.jsonl"
+    write_jsonl(inp, rows)
+    args, env = _sample_cmd(inp, tmp_path / "whole.jsonl", tiny_home)
+    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+
+    out = tmp_path / "killed.jsonl"
+    args, env = _sample_cmd(inp, out, tiny_home)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 8):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = out.read_text().splitlines()
+    assert 8 <= len(partial) < 40, len(partial)
+    with open(out, "a") as f:
+        f.write('{"id": 999, "text": "torn')  # what a kill in the middle of a write would leave
+    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    resumed = read_jsonl(out)
+    assert [r["id"] for r in resumed] == list(range(40))
+    assert resumed == read_jsonl(tmp_path / "whole.jsonl")
+
+
+def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # noqa: F811
+    rows = [{"id": "ok1", "prompt": "hello"}, "{not json", {"id": "noprompt"},
+            {"id": "long", "prompt": "word " * 400}, {"id": "ok2", "messages": [{"role": "user", "content": "hi"}]}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    hkserve("sample", "--model", "tiny", "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "out.jsonl"), "--max-tokens", "8", "--slots", "2", "--quiet", home=tiny_home)
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [o["id"] for o in out] == ["ok1", "line 2", "noprompt", "long", "ok2"]
+    assert "text" in out[0] and "text" in out[4] and "error" not in out[0]
+    assert "invalid JSON" in out[1]["error"]
+    assert "prompt" in out[2]["error"]
+    assert "prompt too long" in out[3]["error"] and "256" in out[3]["error"]
