@@ -74,6 +74,23 @@ def measure_matmul(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of the machine's CPU time used over `seconds` (Linux /proc/stat; None elsewhere):
+    other work running beside the benchmark lowers every figure, so the report says how busy it was."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(1 - (idle1 - idle0) / max(total1 - total0, 1), 3)
+
+
 def weights_per_token(config) -> int:
     """Weights one decode step reads and multiplies: all of them, except that an untied input
     embedding table is only indexed (one row per token). A tied table counts once, as the head."""
@@ -275,10 +292,10 @@ def cmd_bench_engine(args) -> int:
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (max(args.slots + args.hf_batches), args.prompt_len), np.int32)
 
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        _log(f"WARNING: load average {load:.2f} before the benchmark: other processes share the CPUs and "
-             f"every figure below is low by an unknown amount")
+    busy = cpu_busy()
+    if busy is not None and busy > 0.1:
+        _log(f"WARNING: the CPUs were {100 * busy:.0f}% busy before the benchmark: other processes share them "
+             f"and the figures may be low")
     _log("limits: measuring memory bandwidth and matmul FLOP/s ...")
     bandwidth = measure_bandwidth(args.bandwidth_mb)
     flops = measure_matmul()
@@ -302,42 +319,53 @@ def cmd_bench_engine(args) -> int:
         f"hkserve_{hi}_over_compute_limit": _ratio(ours[hi], compute_tok_s),
     }
     env = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "cpus": os.cpu_count(),
-           "backend": jax.default_backend(), "jax": jax.__version__, "load_1m_before": round(load, 2), **versions}
+           "backend": jax.default_backend(), "jax": jax.__version__, "cpu_busy_before": busy, **versions}
 
-    print(f"hkserve bench engine: {args.model} ({config.n_params / 1e6:.1f}M params, {config.dtype}, "
-          f"{config.n_layers} layers), prompt {args.prompt_len} tokens, {args.steps} timed greedy decode steps, "
-          f"median of {args.repeats}")
-    print(f"machine: {env['cpus']} CPUs ({env['machine']}), jax {env['jax']} on {env['backend']}"
-          + (f", torch {versions['torch']} ({versions['torch_threads']} threads), transformers "
-             f"{versions['transformers']}" if versions else "") + f", {env['date']}, load average before {load:.2f}")
-    print(f"limits: memory read {bandwidth / 1e9:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per step "
-          f"= {bandwidth_tok_s:.1f} tok/s at batch 1 (N x that at batch N); float32 matmul "
-          f"{flops / 1e9:.1f} GFLOP/s / {2 * weights / 1e6:.0f} MFLOP per token = {compute_tok_s:.1f} tok/s")
-    print(f"{'engine':<14}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'% bandwidth limit':>19}{'% compute limit':>17}")
-    rows = [("hkserve", n, v) for n, v in ours.items()] + [("transformers", n, v) for n, v in (peer or {}).items()]
-    for name, n, tok_s in rows:
-        print(f"{name:<14}{n:>6}{tok_s:>10.1f}{1e3 * n / tok_s:>10.1f}{_pct(tok_s, n * bandwidth_tok_s):>19}"
-              f"{_pct(tok_s, compute_tok_s):>17}")
-    if peer is None:
-        print("transformers: skipped (see stderr)")
-    for key, value in ratios.items():
-        print(f"{key}: {'-' if value is None else f'{value:.3f}'}")
+    def by_batch(d):
+        return None if d is None else {str(k): v for k, v in d.items()}
 
+    report = {
+        "model": args.model, "hkserve": by_batch(ours), "hf_transformers": by_batch(peer),
+        "limits": {"bandwidth_gb_s": bandwidth / 1e9, "bandwidth_tok_s": bandwidth_tok_s,
+                   "matmul_gflop_s": flops / 1e9, "compute_tok_s": compute_tok_s,
+                   "weight_bytes_per_step": weight_bytes},
+        "ratios": ratios, "env": env,
+        "settings": {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats,
+                     "max_len": args.max_len},
+    }
+    print_table(report, config)
     if args.json:
-        def by_batch(d):
-            return None if d is None else {str(k): v for k, v in d.items()}
-
-        print(json.dumps({
-            "model": args.model, "hkserve": by_batch(ours), "hf_transformers": by_batch(peer),
-            "limits": {"bandwidth_gb_s": bandwidth / 1e9, "bandwidth_tok_s": bandwidth_tok_s,
-                       "matmul_gflop_s": flops / 1e9, "compute_tok_s": compute_tok_s,
-                       "weight_bytes_per_step": weight_bytes},
-            "ratios": ratios, "env": env,
-            "settings": {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats,
-                         "max_len": args.max_len},
-        }))
+        print(json.dumps(report))
     sys.stdout.flush()
     return 0
+
+
+def print_table(report: dict, config) -> None:
+    """The human-readable report: settings, machine, limits, one row per measurement, ratios."""
+    env, limits, settings = report["env"], report["limits"], report["settings"]
+    bw_tok_s, compute_tok_s = limits["bandwidth_tok_s"], limits["compute_tok_s"]
+    print(f"hkserve bench engine: {report['model']} ({config.n_params / 1e6:.1f}M params, {config.dtype}, "
+          f"{config.n_layers} layers), prompt {settings['prompt_len']} tokens, {settings['steps']} timed greedy "
+          f"decode steps, median of {settings['repeats']}")
+    peer_env = (f", torch {env['torch']} ({env['torch_threads']} threads), transformers {env['transformers']}"
+                if "torch" in env else "")
+    busy = "" if env["cpu_busy_before"] is None else f", CPUs {100 * env['cpu_busy_before']:.0f}% busy before the run"
+    print(f"machine: {env['cpus']} CPUs ({env['machine']}), jax {env['jax']} on {env['backend']}{peer_env}, "
+          f"{env['date']}{busy}")
+    print(f"limits: memory read {limits['bandwidth_gb_s']:.1f} GB/s / {limits['weight_bytes_per_step'] / 1e6:.0f} MB "
+          f"of weights per step = {bw_tok_s:.1f} tok/s at batch 1 (N x that at batch N); float32 matmul "
+          f"{limits['matmul_gflop_s']:.1f} GFLOP/s / {2 * weights_per_token(config) / 1e6:.0f} MFLOP per token "
+          f"= {compute_tok_s:.1f} tok/s")
+    print(f"{'engine':<14}{'batch':>6}{'tok/s':>10}{'ms/step':>10}{'% bandwidth limit':>19}{'% compute limit':>17}")
+    for name, key in (("hkserve", "hkserve"), ("transformers", "hf_transformers")):
+        for n, tok_s in (report[key] or {}).items():
+            n = int(n)
+            print(f"{name:<14}{n:>6}{tok_s:>10.1f}{1e3 * n / tok_s:>10.1f}{_pct(tok_s, n * bw_tok_s):>19}"
+                  f"{_pct(tok_s, compute_tok_s):>17}")
+    if report["hf_transformers"] is None:
+        print("transformers: skipped (see stderr)")
+    for key, value in report["ratios"].items():
+        print(f"{key}: {'-' if value is None else f'{value:.3f}'}")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -357,20 +385,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     p.set_defaults(func=cmd_bench_engine)
+
+    from server import bench_serve
+
+    p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.run)
     return bench
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m server.bench engine ...` until the command is wired into server/cli.py."""
-    parser = argparse.ArgumentParser(prog="hkserve")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        _log(f"hkserve bench: error: {e}")
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample_arguments(p)
     p.set_defaults(func=cmd_sample)
 
+    from server.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     p = sub.add_parser("generate", help="complete one prompt and print the text")
     p.add_argument("prompt")
     p.add_argument("--model", default=DEFAULT_MODEL)

@@ -15,7 +15,6 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from checkpoint.gguf_import import load_gguf, open_gguf
-from checkpoint.params import ImportFormatError
 from checkpoint.store import ModelStore
 from checkpoint.tokenizer import Tokenizer
 from conftest import hkserve, require_fixtures
