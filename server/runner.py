@@ -108,10 +108,12 @@ class RunnerStats(NamedTuple):
 
 
 class InferenceRunner:
-    def __init__(self, engine: Engine, max_queue: int = 64, prefills_per_step: int = 1):
+    def __init__(self, engine: Engine, max_queue: int = 64, prefill_budget: int = 256):
         self.engine = engine
         self.max_queue = max_queue
-        self.prefills_per_step = prefills_per_step  # bounds how long running slots wait on admissions
+        # Prompt tokens admitted per loop iteration (at least one request): a burst fills the free
+        # slots in a few iterations while running requests wait at most ~one budget of prefill per token.
+        self.prefill_budget = prefill_budget
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
@@ -205,13 +207,15 @@ class InferenceRunner:
     def _admit(self) -> list[tuple[int, RequestStream, PendingTokens]]:
         admitted = []
         free = [i for i, s in enumerate(self._slots) if s is None]
-        while free and len(admitted) < self.prefills_per_step:
+        spent = 0
+        while free and (not admitted or spent < self.prefill_budget):
             with self._lock:
                 if not self._waiting:
                     break
                 stream = self._waiting.popleft()
             slot = free.pop(0)
             request = stream.request
+            spent += len(request.prompt_ids)
             stream.admitted_at = time.monotonic()
             settings = {k: request.sampling.get(k) for k in SAMPLING_FIELDS}
             try:
