@@ -222,7 +222,7 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
         limits = _limits(prompts, body.max_tokens)
         gen = Generation(runner, tokenizer, metrics, "completion")
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-        gen.submit(prompts, body.n, limits, body.sampling(seed), seed, body.stop, body.logprobs or 0)
+        gen.submit(prompts, body.n, limits, body.sampling(seed), seed, body.stop, body.logprobs or 0, body.ignore_eos)
         echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
         fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
@@ -239,7 +239,7 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
         gen = Generation(runner, tokenizer, metrics, "chat")
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        gen.submit([prompt], body.n, limits, body.sampling(seed), seed, body.stop, top)
+        gen.submit([prompt], body.n, limits, body.sampling(seed), seed, body.stop, top, body.ignore_eos)
         fmt = formats.ChatFormat(tokenizer, model_name, body)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
 

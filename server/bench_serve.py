@@ -1,6 +1,9 @@
 """`hkserve bench serve`: start the real server, drive it over HTTP with concurrent streaming clients,
 report TTFT, inter-token latency and output tokens/s per concurrency.
 
+Every request generates exactly --max-tokens (`ignore_eos`), so figures compare with the engine
+benchmark's fixed-length decode.
+
 The clients are threads with their own HTTP connections, in this process; the server is a separate
 process, as in deployment, so client overhead does not steal the engine's interpreter.
 """
@@ -40,7 +43,7 @@ def _one_request(url: str, model: str, prompt: str, max_tokens: int, seed: int) 
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
     arrivals, tokens = [], 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
@@ -79,7 +82,7 @@ def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: in
     wall = time.perf_counter() - started
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]] or [float("nan")]
-    return {"ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+    return {"ttft_p50_ms": float(np.nanpercentile(ttft, 50)), "ttft_p99_ms": float(np.nanpercentile(ttft, 99)),
             "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)),
             "out_tok_s": sum(r["tokens"] for r in results) / wall}
 

@@ -50,14 +50,15 @@ class Generation:
         self.prompt_tokens = 0
 
     def submit(self, prompts: list[list[int]], n: int, max_tokens: list[int], sampling: dict, seed: int,
-               stop: list[str], logprobs: int) -> None:
+               stop: list[str], logprobs: int, ignore_eos: bool = False) -> None:
         loop = asyncio.get_running_loop()
         try:
             for p, prompt_ids in enumerate(prompts):
                 for j in range(n):
                     index = p * n + j
+                    stop_ids = () if ignore_eos else self.tokenizer.stop_ids
                     request = Request(list(prompt_ids), max_tokens[p], {**sampling, "seed": (seed + index) % 2**32},
-                                      self.tokenizer.stop_ids, logprobs)
+                                      stop_ids, logprobs)
                     stream = self.runner.submit(request, loop)
                     self.choices.append(Choice(index, stream, TextStream(self.tokenizer, stop), len(prompt_ids)))
         except Overloaded as e:

@@ -53,6 +53,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-sequence
 
     @field_validator("stop")
     @classmethod

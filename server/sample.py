@@ -1,7 +1,7 @@
 """`hkserve sample`: completions for a JSONL file of prompts, every slot kept busy.
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optionally with their own
-max_tokens / temperature / top_p / top_k / min_p / seed / stop / penalties. Output lines, one per input
+max_tokens / temperature / top_p / top_k / min_p / seed / stop / penalties / ignore_eos. Output lines, one per input
 line and in input order: {"id", "text", "finish_reason", "usage"} or {"id", "error"}.
 
 Resumable: results are written strictly in input order, one whole line per write, so after a kill the
@@ -101,7 +101,8 @@ class Job:
         sampling.update({k: record[k] for k in OVERRIDES if record.get(k) is not None})
         stop = record.get("stop") or []
         self.stop = [stop] if isinstance(stop, str) else list(stop)
-        self.request = Request(prompt_ids, max_tokens, sampling, tokenizer.stop_ids)
+        stop_ids = () if record.get("ignore_eos") else tokenizer.stop_ids
+        self.request = Request(prompt_ids, max_tokens, sampling, stop_ids)
 
 
 async def _complete(job: Job, runner, tokenizer) -> dict:

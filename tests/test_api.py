@@ -217,3 +217,11 @@ def test_metrics_expose_latencies_gauges_and_counters(serve):
                  "hkserve_prompt_tokens_total 1.0", "hkserve_generation_tokens_total 3.0",
                  'hkserve_requests_total{finish_reason="length"} 1.0'):
         assert name in text, name
+
+
+def test_ignore_eos_generates_max_tokens(serve):
+    server, runner = serve()
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 40, "ignore_eos": True})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 40
+    assert runner.submitted[-1].stop_ids == ()
