@@ -29,6 +29,8 @@ _LAYER_PATHS = {
     "v_proj": ("decoder/layers/attention/v_proj", "w"),
     "o_proj": ("decoder/layers/attention/o_proj", "w"),
     "mlp_norm": ("decoder/layers/mlp_norm", "scale"),
+    "post_attn_norm": ("decoder/layers/post_attn_norm", "scale"),
+    "post_mlp_norm": ("decoder/layers/post_mlp_norm", "scale"),
     "gate_proj": ("decoder/layers/mlp/gate_proj", "w"),
     "up_proj": ("decoder/layers/mlp/up_proj", "w"),
     "down_proj": ("decoder/layers/mlp/down_proj", "w"),

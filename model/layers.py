@@ -106,17 +106,21 @@ class Attention(hk.Module):
         q = Linear(c.n_heads * c.head_dim, dtype, "q_proj")(x).reshape(b, t, c.n_heads, c.head_dim)
         k = Linear(c.n_kv_heads * c.head_dim, dtype, "k_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
         v = Linear(c.n_kv_heads * c.head_dim, dtype, "v_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-        q = rope(q, positions, c.rope_theta) * (c.head_dim**-0.5)
+        q = rope(q, positions, c.rope_theta) * (c.attn_multiplier or c.head_dim**-0.5)
         k = rope(k, positions, c.rope_theta)
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
         neg = jnp.finfo(F32).min
-        new_scores = jnp.einsum("bthgd,bshd->bhgts", q, k)  # [B, Hkv, G, T, T]
+
+        def cap(scores):  # grok-1's soft cap on the attention logits
+            return c.attn_logit_cap * jnp.tanh(scores / c.attn_logit_cap) if c.attn_logit_cap else scores
+
+        new_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k))  # [B, Hkv, G, T, T]
         causal = jnp.tril(jnp.ones((t, t), bool))
         new_scores = jnp.where(causal, new_scores, neg)
         w = k_past.shape[1]
         if w:
-            past_scores = jnp.einsum("bthgd,bshd->bhgts", q, k_past.astype(F32))  # [B, Hkv, G, T, W]
+            past_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k_past.astype(F32)))  # [B, Hkv, G, T, W]
             seen = jnp.arange(w)[None, :] < past_len[:, None]  # [B, W]
             past_scores = jnp.where(seen[:, None, None, None, :], past_scores, neg)
             scores = jnp.concatenate([past_scores, new_scores], axis=-1)
@@ -143,11 +147,17 @@ class MLP(hk.Module):
         return Linear(self.c.dim, dtype, "down_proj")(jax.nn.silu(gate) * up)
 
 
-class MoE(hk.Module):
-    """Mixtral routing: top-k experts per token, gates = softmax over the selected router logits.
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False)}
 
-    Every expert is evaluated densely and unselected ones get gate 0: exact, and fine for small
-    expert counts; selective dispatch belongs to the grok-1 MoE work.
+
+class MoE(hk.Module):
+    """Top-k mixture of gated experts: act(x @ gate) * (x @ up) @ down per expert.
+
+    Routing "mixtral": gates = softmax over the k selected router logits. Routing "grok": softmax over
+    all experts, top-k, gates not renormalised. Unless `moe_dense`, experts no token selected are
+    skipped (lax.cond in a scan over experts), so a decode step reads only the used experts' weights —
+    with few tokens in flight that is k of E experts; grok-1's released code runs all of them.
     """
 
     def __init__(self, config: ModelConfig, name: str = "moe"):
@@ -159,14 +169,30 @@ class MoE(hk.Module):
         dtype = param_dtype(c)
         e, d, f = c.n_experts, c.dim, c.ffn_dim
         router_logits = Linear(e, dtype, "router")(x)  # [B, T, E]
-        top_logits, top_idx = jax.lax.top_k(router_logits, c.n_experts_per_token)  # [B, T, K]
-        top_gates = jax.nn.softmax(top_logits, axis=-1)
+        if c.moe_routing == "grok":
+            top_gates, top_idx = jax.lax.top_k(jax.nn.softmax(router_logits, axis=-1), c.n_experts_per_token)
+        else:
+            top_logits, top_idx = jax.lax.top_k(router_logits, c.n_experts_per_token)  # [B, T, K]
+            top_gates = jax.nn.softmax(top_logits, axis=-1)
         gates = jnp.sum(jax.nn.one_hot(top_idx, e, dtype=F32) * top_gates[..., None], axis=-2)  # [B, T, E]
         w_gate = hk.get_parameter("gate_proj", [e, d, f], dtype, init=_init(d))
         w_up = hk.get_parameter("up_proj", [e, d, f], dtype, init=_init(d))
         w_down = hk.get_parameter("down_proj", [e, f, d], dtype, init=_init(f))
+        act = _ACTIVATIONS[c.moe_activation]
         xc = x.astype(dtype)
-        h = jax.nn.silu(jnp.einsum("btd,edf->btef", xc, w_gate, preferred_element_type=F32))
-        h = h * jnp.einsum("btd,edf->btef", xc, w_up, preferred_element_type=F32)
-        y = jnp.einsum("btef,efd->bted", h.astype(dtype), w_down, preferred_element_type=F32)
-        return jnp.einsum("bted,bte->btd", y, gates)
+
+        def expert(wg, wu, wd):
+            h = act(jnp.dot(xc, wg, preferred_element_type=F32)) * jnp.dot(xc, wu, preferred_element_type=F32)
+            return jnp.dot(h.astype(dtype), wd, preferred_element_type=F32)  # [B, T, D]
+
+        if c.moe_dense:
+            y = jax.vmap(expert, out_axes=2)(w_gate, w_up, w_down)  # [B, T, E, D]
+            return jnp.einsum("bted,bte->btd", y, gates)
+
+        def add_expert(acc, i):
+            gate = gates[..., i]  # [B, T]
+            out = jax.lax.cond(jnp.any(gate > 0), lambda: expert(w_gate[i], w_up[i], w_down[i]) * gate[..., None],
+                               lambda: jnp.zeros_like(acc))
+            return acc + out, None
+
+        return jax.lax.scan(add_expert, jnp.zeros(x.shape[:-1] + (d,), F32), jnp.arange(e))[0]

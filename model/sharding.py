@@ -28,7 +28,7 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/embed/embeddings$", P("model", None), None),  # [V, D]: vocab-parallel
     (r"decoder/lm_head/w$", P(None, "model"), None),  # [D, V]
     (r"decoder/final_norm/scale$", P(None), None),
-    (r"decoder/layers/(attn_norm|mlp_norm)/scale$", P(None, None), None),
+    (r"decoder/layers/(post_)?(attn_norm|mlp_norm)/scale$", P(None, None), None),
     (r"decoder/layers/attention/q_proj/w$", P(None, None, "model"), "n_heads"),  # [L, D, H*Dh]
     (r"decoder/layers/attention/(k_proj|v_proj)/w$", P(None, None, "model"), "n_kv_heads"),  # [L, D, Hkv*Dh]
     (r"decoder/layers/attention/o_proj/w$", P(None, "model", None), "n_heads"),  # [L, H*Dh, D]

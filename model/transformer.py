@@ -29,7 +29,7 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     past_len = memory.step if slots is None else memory.step[rows]  # [b]
     positions = past_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, T]
     embed = Embed(c.vocab_size, c.dim, dtype)
-    x = embed(tokens)  # [b, T, D]
+    x = embed(tokens) * c.embedding_multiplier  # [b, T, D]
 
     def block(x, layer):
         # Read this layer's past straight from the memory (no stacked copy of the window is made).
@@ -40,10 +40,14 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
         else:
             k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
         h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, dtype, "attn_norm")(x), positions, k_past, v_past, past_len)
+        if c.sandwich_norms:
+            h = RMSNorm(c.norm_eps, dtype, "post_attn_norm")(h)
         x = x + h
         ffn = MoE(c) if c.n_experts else MLP(c)
-        x = x + ffn(RMSNorm(c.norm_eps, dtype, "mlp_norm")(x))
-        return x, (k_new, v_new)
+        h = ffn(RMSNorm(c.norm_eps, dtype, "mlp_norm")(x))
+        if c.sandwich_norms:
+            h = RMSNorm(c.norm_eps, dtype, "post_mlp_norm")(h)
+        return x + h, (k_new, v_new)
 
     stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
     x, (k_new, v_new) = stack(block)(x, jnp.arange(c.n_layers))  # k_new: [L, b, T, Hkv, Dh]
@@ -68,7 +72,7 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
         logits = Linear(c.vocab_size, dtype, "lm_head")(x)
     if last_only:
         logits = logits[:, 0]  # [B, V]
-    return logits, memory
+    return logits * c.output_multiplier, memory
 
 
 class Model(NamedTuple):

@@ -391,4 +391,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.run)
+
+    from server import bench_moe
+
+    p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
+    bench_moe.add_arguments(p)
+    p.set_defaults(func=bench_moe.run)
     return bench
