@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from checkpoint.orbax_io import restore_params, save_params
 from checkpoint.tokenizer import Tokenizer
-from model.config import ModelConfig
+from model.config import WEIGHTS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -69,8 +69,37 @@ class ModelStore:
             raise ValueError(f"model {name!r} has no tokenizer (it was imported from weights only)")
         return Tokenizer.load(info.path / "tokenizer")
 
-    def params(self, name: str, shardings=None) -> dict:
-        return restore_params(self.info(name).path / "params", self.info(name).config, shardings)
+    def config(self, name: str, weights: str | None = None) -> ModelConfig:
+        """The model's config, for a weight variant (f32 | bf16 | int8) when given."""
+        config = self.info(name).config
+        return config if weights is None else config.replace(dtype=WEIGHTS[weights])
+
+    def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
+        """Params restored onto `shardings`; a weight variant is made from the float32 master (and
+        kept next to it as params-<dtype>) the first time it is asked for."""
+        info = self.info(name)
+        config = self.config(name, weights)
+        if config.dtype == info.config.dtype:
+            return restore_params(info.path / "params", config, shardings)
+        path = info.path / f"params-{config.dtype}"
+        if not path.exists():
+            self._make_variant(info, config.dtype, path)
+        return restore_params(path, config, shardings)
+
+    def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
+        import jax
+        import numpy as np
+
+        from checkpoint.quantize import convert_params
+
+        master = jax.tree_util.tree_map(np.asarray, restore_params(info.path / "params", info.config))
+        _, variant = convert_params(master, info.config, dtype)
+        work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
+        try:
+            save_params(work / "params", variant)
+            (work / "params").rename(path)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     def save(self, name: str, config: ModelConfig, params: dict, tokenizer: Tokenizer | None, source: dict,
              overwrite: bool = False) -> Path:

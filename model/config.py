@@ -28,7 +28,7 @@ class ModelConfig:
     n_experts: int = 0  # 0 = dense SwiGLU MLP
     n_experts_per_token: int = 2
     memory: str = "kv"  # "kv" (softmax KV cache); "vq" comes with Transformer-VQ
-    dtype: str = "float32"  # parameter storage dtype: float32 | bfloat16
+    dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
@@ -48,8 +48,8 @@ class ModelConfig:
             raise ValueError(f"n_experts_per_token={self.n_experts_per_token} not in 1..{self.n_experts}")
         if self.memory != "kv":
             raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv')")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16)")
+        if self.dtype not in ("float32", "bfloat16", "int8"):
+            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8)")
         if self.moe_routing not in ("mixtral", "grok"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
         if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
@@ -77,6 +77,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown config fields: {sorted(unknown)}")
         return cls(**data)
+
+
+WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}  # --weights names → dtypes
 
 
 def grok_config(**changes: Any) -> ModelConfig:

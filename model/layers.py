@@ -16,7 +16,31 @@ F32 = jnp.float32
 
 
 def param_dtype(config: ModelConfig):
+    """Storage dtype of weight matrices (norm scales stay float32 for int8 weights)."""
+    return {"bfloat16": jnp.bfloat16, "int8": jnp.int8}.get(config.dtype, F32)
+
+
+def norm_dtype(config: ModelConfig):
     return jnp.bfloat16 if config.dtype == "bfloat16" else F32
+
+
+def quantized_weight(name: str, shape, dtype, scale_shape, fan_in: int):
+    """(weight, per-output-channel scale or None). int8 weights (grok-1's QuantizedWeight8bit idea)
+    are widened inside the jitted dot, which XLA fuses: the step reads int8 bytes, never a float copy."""
+    w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
+    if dtype != jnp.int8:
+        return w, None
+    return w, hk.get_parameter(f"{name}_scale" if name != "w" else "scale", scale_shape, F32, init=jnp.ones)
+
+
+def qdot(x: jax.Array, w: jax.Array, scale: jax.Array | None, spec: str | None = None) -> jax.Array:
+    """x·w accumulated in float32; int8 weights widen in the dot and their scale applies after it."""
+    if scale is None:
+        x = x.astype(w.dtype)
+        return jnp.einsum(spec, x, w, preferred_element_type=F32) if spec else jnp.dot(x, w, preferred_element_type=F32)
+    w = w.astype(F32)
+    y = jnp.einsum(spec, x.astype(F32), w) if spec else jnp.dot(x.astype(F32), w)
+    return y * scale
 
 
 def _init(fan_in: int):
@@ -32,8 +56,8 @@ class Linear(hk.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = hk.get_parameter("w", [x.shape[-1], self.out_dim], self.dtype, init=_init(x.shape[-1]))
-        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=F32)
+        w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
+        return qdot(x, w, scale)
 
 
 class Embed(hk.Module):
@@ -44,15 +68,21 @@ class Embed(hk.Module):
         self.shape = (vocab_size, dim)
         self.dtype = dtype
 
-    @property
-    def embeddings(self) -> jax.Array:
-        return hk.get_parameter("embeddings", self.shape, self.dtype, init=hk.initializers.TruncatedNormal(1.0))
+    def _table(self):
+        """[V, D] embeddings and, for int8, a scale per token row [V] (= per output channel when tied)."""
+        if self.dtype == jnp.int8:
+            table = hk.get_parameter("embeddings", self.shape, jnp.int8, init=jnp.zeros)
+            return table, hk.get_parameter("scale", self.shape[:1], F32, init=jnp.ones)
+        return hk.get_parameter("embeddings", self.shape, self.dtype, init=hk.initializers.TruncatedNormal(1.0)), None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embeddings, tokens, axis=0).astype(F32)
+        table, scale = self._table()
+        rows = jnp.take(table, tokens, axis=0).astype(F32)
+        return rows if scale is None else rows * jnp.take(scale, tokens)[..., None]
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        return jnp.dot(x.astype(self.dtype), self.embeddings.T, preferred_element_type=F32)
+        table, scale = self._table()
+        return qdot(x, table.T, scale)
 
 
 class RMSNorm(hk.Module):
@@ -175,24 +205,25 @@ class MoE(hk.Module):
             top_logits, top_idx = jax.lax.top_k(router_logits, c.n_experts_per_token)  # [B, T, K]
             top_gates = jax.nn.softmax(top_logits, axis=-1)
         gates = jnp.sum(jax.nn.one_hot(top_idx, e, dtype=F32) * top_gates[..., None], axis=-2)  # [B, T, E]
-        w_gate = hk.get_parameter("gate_proj", [e, d, f], dtype, init=_init(d))
-        w_up = hk.get_parameter("up_proj", [e, d, f], dtype, init=_init(d))
-        w_down = hk.get_parameter("down_proj", [e, f, d], dtype, init=_init(f))
+        w_gate, s_gate = quantized_weight("gate_proj", [e, d, f], dtype, [e, f], d)
+        w_up, s_up = quantized_weight("up_proj", [e, d, f], dtype, [e, f], d)
+        w_down, s_down = quantized_weight("down_proj", [e, f, d], dtype, [e, d], f)
         act = _ACTIVATIONS[c.moe_activation]
-        xc = x.astype(dtype)
 
-        def expert(wg, wu, wd):
-            h = act(jnp.dot(xc, wg, preferred_element_type=F32)) * jnp.dot(xc, wu, preferred_element_type=F32)
-            return jnp.dot(h.astype(dtype), wd, preferred_element_type=F32)  # [B, T, D]
+        def expert(i):
+            def pick(w, s):
+                return w[i], None if s is None else s[i]
+
+            h = act(qdot(x, *pick(w_gate, s_gate))) * qdot(x, *pick(w_up, s_up))
+            return qdot(h, *pick(w_down, s_down))  # [B, T, D]
 
         if c.moe_dense:
-            y = jax.vmap(expert, out_axes=2)(w_gate, w_up, w_down)  # [B, T, E, D]
+            y = jax.vmap(expert, out_axes=2)(jnp.arange(e))  # [B, T, E, D]
             return jnp.einsum("bted,bte->btd", y, gates)
 
         def add_expert(acc, i):
             gate = gates[..., i]  # [B, T]
-            out = jax.lax.cond(jnp.any(gate > 0), lambda: expert(w_gate[i], w_up[i], w_down[i]) * gate[..., None],
-                               lambda: jnp.zeros_like(acc))
+            out = jax.lax.cond(jnp.any(gate > 0), lambda: expert(i) * gate[..., None], lambda: jnp.zeros_like(acc))
             return acc + out, None
 
         return jax.lax.scan(add_expert, jnp.zeros(x.shape[:-1] + (d,), F32), jnp.arange(e))[0]

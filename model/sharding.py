@@ -37,6 +37,15 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/moe/router/w$", P(None, None, None), None),  # [L, D, E]
     (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model"), None),  # [L, E, D, F]
     (r"decoder/layers/moe/down_proj$", P(None, None, "model", None), None),  # [L, E, F, D]
+    # int8 weights' per-output-channel scales follow their weight's output dim
+    (r"decoder/embed/scale$", P("model"), None),  # [V]
+    (r"decoder/lm_head/scale$", P("model"), None),  # [V]
+    (r"decoder/layers/attention/q_proj/scale$", P(None, "model"), "n_heads"),  # [L, H*Dh]
+    (r"decoder/layers/attention/(k_proj|v_proj)/scale$", P(None, "model"), "n_kv_heads"),
+    (r"decoder/layers/(attention/o_proj|mlp/down_proj|moe/router)/scale$", P(None, None), None),  # [L, D|E]
+    (r"decoder/layers/mlp/(gate_proj|up_proj)/scale$", P(None, "model"), None),  # [L, F]
+    (r"decoder/layers/moe/(gate_proj|up_proj)_scale$", P(None, None, "model"), None),  # [L, E, F]
+    (r"decoder/layers/moe/down_proj_scale$", P(None, None, None), None),  # [L, E, D]
 ]
 
 

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.layers import MLP, Attention, Embed, Linear, MoE, RMSNorm, param_dtype
+from model.layers import MLP, Attention, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
 from model.memory import KVMemory
 
 
 def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool):
     c = config
-    dtype = param_dtype(c)
+    dtype, ndtype = param_dtype(c), norm_dtype(c)
     b, t = tokens.shape
     # Row i of `tokens` belongs to memory slot rows[i]: all slots (decode) or a few (prefill).
     rows = jnp.arange(b) if slots is None else slots  # [b]
@@ -39,14 +39,14 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
             k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
         else:
             k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
-        h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, dtype, "attn_norm")(x), positions, k_past, v_past, past_len)
+        h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, ndtype, "attn_norm")(x), positions, k_past, v_past, past_len)
         if c.sandwich_norms:
-            h = RMSNorm(c.norm_eps, dtype, "post_attn_norm")(h)
+            h = RMSNorm(c.norm_eps, ndtype, "post_attn_norm")(h)
         x = x + h
         ffn = MoE(c) if c.n_experts else MLP(c)
-        h = ffn(RMSNorm(c.norm_eps, dtype, "mlp_norm")(x))
+        h = ffn(RMSNorm(c.norm_eps, ndtype, "mlp_norm")(x))
         if c.sandwich_norms:
-            h = RMSNorm(c.norm_eps, dtype, "post_mlp_norm")(h)
+            h = RMSNorm(c.norm_eps, ndtype, "post_mlp_norm")(h)
         return x + h, (k_new, v_new)
 
     stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
@@ -65,7 +65,7 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
         last = jnp.maximum(lengths - 1, 0)
         x = x[jnp.arange(b), last][:, None, :]  # [B, 1, D]
-    x = RMSNorm(c.norm_eps, dtype, "final_norm")(x)
+    x = RMSNorm(c.norm_eps, ndtype, "final_norm")(x)
     if c.tie_embeddings:
         logits = embed.unembed(x)
     else:

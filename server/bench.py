@@ -333,11 +333,36 @@ def cmd_bench_engine(args) -> int:
         "settings": {"steps": args.steps, "prompt_len": args.prompt_len, "repeats": args.repeats,
                      "max_len": args.max_len},
     }
+    if args.weights:
+        report["by_weights"] = bench_weight_variants(store, args, prompts, bandwidth, [lo, hi])
     print_table(report, config)
     if args.json:
         print(json.dumps(report))
     sys.stdout.flush()
     return 0
+
+
+def bench_weight_variants(store, args, prompts, bandwidth: float, slot_counts: list[int]) -> dict:
+    """Decode tok/s per weight variant (f32 | bf16 | int8), with each variant's bandwidth limit."""
+    from model.transformer import build_model
+
+    out = {}
+    for weights in args.weights.split(","):
+        config = store.config(args.model, weights)
+        params = store.params(args.model, weights=weights)
+        nbytes = sum(leaf.nbytes for leaf in jax_leaves(params))
+        figures = {str(n): bench_hkserve(build_model(config), params, n, prompts[:n], args.steps, args.repeats,
+                                         args.max_len) for n in slot_counts}
+        out[weights] = {**figures, "weight_bytes": nbytes, "bandwidth_tok_s": bandwidth / nbytes}
+        _log(f"{weights}: {', '.join(f'{k} slots {v:.1f} tok/s' for k, v in figures.items())}; "
+             f"bandwidth limit {bandwidth / nbytes:.1f} tok/s at batch 1")
+    return out
+
+
+def jax_leaves(tree) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
 
 
 def print_table(report: dict, config) -> None:
@@ -383,6 +408,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hf-batches", type=_int_list, default=[1, 8],
                    help="batch sizes of the transformers peer (default 1,8)")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
+    p.add_argument("--weights", default=None, help="also measure these weight variants, e.g. f32,bf16,int8")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     p.set_defaults(func=cmd_bench_engine)
 

@@ -11,6 +11,7 @@ import sys
 import time
 
 from checkpoint.store import DEFAULT_MODEL, ModelStore
+from model.config import WEIGHTS
 
 
 def _log(message: str) -> None:
@@ -20,15 +21,20 @@ def _log(message: str) -> None:
 def cmd_pull(args) -> int:
     from checkpoint.convert import pull
 
-    pull(args.name, ModelStore(), dtype=args.dtype, progress=not args.quiet)
+    store = ModelStore()
+    pull(args.name, store, progress=not args.quiet)
+    if args.weights != "f32":
+        store.params(args.name, weights=args.weights)  # makes and stores the variant once
     return 0
 
 
 def cmd_convert(args) -> int:
     from checkpoint.convert import convert
 
-    path = convert(args.path, args.name, ModelStore(), dtype=args.dtype, overwrite=args.overwrite,
-                   progress=not args.quiet)
+    store = ModelStore()
+    path = convert(args.path, args.name, store, overwrite=args.overwrite, progress=not args.quiet)
+    if args.weights != "f32":
+        store.params(args.name, weights=args.weights)
     _log(f"{args.name} stored at {path}")
     return 0
 
@@ -57,12 +63,13 @@ def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
         from checkpoint.convert import pull
 
         pull(args.model, store)
-    info = store.info(args.model)
-    mesh = parse_mesh(args.mesh, info.config)
+    weights = getattr(args, "weights", None)
+    config = store.config(args.model, weights)
+    mesh = parse_mesh(args.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
-    params = store.params(args.model, param_shardings(param_shapes(info.config), mesh, info.config))
-    engine = Engine(build_model(info.config), params, slots=slots, max_len=args.max_len, mesh=mesh,
+    params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
+    engine = Engine(build_model(config), params, slots=slots, max_len=args.max_len, mesh=mesh,
                     n_top=getattr(args, "max_logprobs", 5))
     runner = InferenceRunner(engine, max_queue=max_queue)
     if start:
@@ -126,14 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download and convert a known model into the store")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("convert", help="import a local GGUF file or Hugging Face directory")
     p.add_argument("path")
     p.add_argument("--name", required=True)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_convert)
@@ -150,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
     p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     p.set_defaults(func=cmd_serve)
@@ -164,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from server import eval_ppl
+
+    p = sub.add_parser("eval-ppl", help="perplexity of a model (weight variant) on a text file")
+    eval_ppl.add_arguments(p)
+    p.set_defaults(func=eval_ppl.run)
+
     p = sub.add_parser("generate", help="complete one prompt and print the text")
     p.add_argument("prompt")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -177,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
     p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4 (default: all on model "
                                                 "if that divides the heads, else all on data)")
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
     p.set_defaults(func=cmd_generate)
     return parser
 

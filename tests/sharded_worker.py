@@ -53,10 +53,14 @@ def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
 
 def main(kind: str, out: str, home: str | None = None) -> None:
     assert len(jax.devices()) == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    if kind == "tiny":
+    if kind in ("tiny", "tiny-int8"):
         config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
+        host_params = build_model(config).init(jax.random.PRNGKey(3))
+        if kind == "tiny-int8":  # int8 values and their scales sharded by the same rules
+            from checkpoint.quantize import convert_params
+
+            config, host_params = convert_params(jax.tree_util.tree_map(np.asarray, host_params), config, "int8")
         model = build_model(config)
-        host_params = model.init(jax.random.PRNGKey(3))
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 96, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 2)]
         max_tokens, stop_ids = 12, ()
@@ -75,7 +79,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
     for name in MESHES:
         mesh = mesh_for(name)
         shardings = param_shardings(param_shapes(config), mesh, config)
-        if kind == "tiny":
+        if kind != "smollm2":
             params = jax.device_put(host_params, shardings)
         else:
             params = store.params(info.name, shardings)  # restored straight onto the mesh
