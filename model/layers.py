@@ -33,11 +33,44 @@ def quantized_weight(name: str, shape, dtype, scale_shape, fan_in: int):
     return w, hk.get_parameter(f"{name}_scale" if name != "w" else "scale", scale_shape, F32, init=jnp.ones)
 
 
-def qdot(x: jax.Array, w: jax.Array, scale: jax.Array | None, spec: str | None = None) -> jax.Array:
+WIDE_OUT = 16384  # int8 products with at least this many outputs (vocabulary heads) go block by block
+_BLOCK = 4096
+
+
+def _wide_int8_dot(x: jax.Array, w: jax.Array, out_axis: int) -> jax.Array | None:
+    """x·w for an int8 w whose output dim is large, in blocks of <= 4096 outputs.
+
+    XLA's CPU dot with the int8→f32 convert fused runs ~4x slower than float32 on a [576, 49152]
+    head at 16 rows, but fast on blocks; None when the output dim has no suitable block size."""
+    out = w.shape[out_axis]
+    n = next((k for k in range(-(-out // _BLOCK), out // 512 + 1) if out % k == 0), None)
+    if n is None:
+        return None
+    size = out // n
+    flat = x.reshape(-1, x.shape[-1]).astype(F32)
+
+    def block(i):
+        part = jax.lax.dynamic_slice_in_dim(w, i * size, size, axis=out_axis).astype(F32)
+        return flat @ (part.T if out_axis == 0 else part)  # [rows, size]
+
+    y = jax.lax.map(block, jnp.arange(n))  # [n, rows, size]
+    return y.transpose(1, 0, 2).reshape(*x.shape[:-1], out)
+
+
+def qdot(x: jax.Array, w: jax.Array, scale: jax.Array | None, spec: str | None = None,
+         out_axis: int = 1) -> jax.Array:
     """x·w accumulated in float32; int8 weights widen in the dot and their scale applies after it."""
     if scale is None:
         x = x.astype(w.dtype)
+        if out_axis == 0:
+            w = w.T
         return jnp.einsum(spec, x, w, preferred_element_type=F32) if spec else jnp.dot(x, w, preferred_element_type=F32)
+    if spec is None and w.ndim == 2 and w.shape[out_axis] >= WIDE_OUT:
+        y = _wide_int8_dot(x, w, out_axis)
+        if y is not None:
+            return y * scale
+    if out_axis == 0:
+        w = w.T
     w = w.astype(F32)
     y = jnp.einsum(spec, x.astype(F32), w) if spec else jnp.dot(x.astype(F32), w)
     return y * scale
@@ -82,7 +115,7 @@ class Embed(hk.Module):
 
     def unembed(self, x: jax.Array) -> jax.Array:
         table, scale = self._table()
-        return qdot(x, table.T, scale)
+        return qdot(x, table, scale, out_axis=0)
 
 
 class RMSNorm(hk.Module):

@@ -35,13 +35,16 @@ def test_int8_quantization_is_symmetric_per_output_channel():
 
 
 def test_int8_steps_read_int8_weights_without_a_float_copy():
-    """The compiled decode step converts int8 weights inside fusions only (never a standalone f32 array)."""
-    config, params = convert_params(jax.tree_util.tree_map(np.asarray, build_model(tiny_config()).init(
-        jax.random.PRNGKey(0))), tiny_config(), "int8")
+    """The compiled decode step converts int8 weights inside fusions only (never a standalone f32 array),
+    including the vocabulary head that is computed block by block."""
+    base = tiny_config(vocab_size=16384, tie_embeddings=True)
+    config, params = convert_params(jax.tree_util.tree_map(np.asarray, build_model(base).init(
+        jax.random.PRNGKey(0))), base, "int8")
     model = build_model(config)
     memory = init_memory(config, 2, 32)
     hlo = jax.jit(model.forward).lower(params, np.ones((2, 1), np.int32), memory, np.ones(2, np.int32)).compile().as_text()
-    weight_shapes = {"f32[2,64,128]", "f32[2,128,64]", "f32[64,128]", "f32[128,64]", "f32[128,64]{1,0}"}
+    weight_shapes = {"f32[2,64,128]", "f32[2,128,64]", "f32[64,128]", "f32[128,64]", "f32[4096,64]", "f32[64,4096]",
+                     "f32[16384,64]", "f32[64,16384]"}
     computations = re.split(r"\n\n", hlo)
     for block in computations:
         header = block.strip().splitlines()[0] if block.strip() else ""
