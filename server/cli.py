@@ -93,7 +93,7 @@ def cmd_generate(args) -> int:
     loaded = time.perf_counter()
 
     detok = IncrementalDetokenizer(tokenizer)
-    arrivals = []  # token arrival times: [0] after prefill (+ its compile), [1] after the step compile
+    arrivals = []  # token arrival times; the first includes the prefill and step compiles
     try:
         for event in runner.submit(Request(prompt_ids, args.max_tokens, sampling, tokenizer.stop_ids)):
             if event.error:
@@ -107,10 +107,11 @@ def cmd_generate(args) -> int:
         runner.stop()
     sys.stdout.write(detok.flush() + "\n")
     sys.stdout.flush()
-    timing = f"load {loaded - started:.2f}s, prefill {len(prompt_ids)} tokens + compile {arrivals[0] - loaded:.2f}s"
-    if len(arrivals) > 2:  # steady decode: after the first step, which compiled the step
+    timing = (f"load {loaded - started:.2f}s, first token {arrivals[0] - loaded:.2f}s (prefill of "
+              f"{len(prompt_ids)} tokens and the compiles)")
+    if len(arrivals) > 2:  # steady decode, from the second step on
         rate = (len(arrivals) - 2) / (arrivals[-1] - arrivals[1])
-        timing += f", first step + compile {arrivals[1] - arrivals[0]:.2f}s, then {rate:.1f} tok/s"
+        timing += f", then {rate:.1f} tok/s"
     _log(f"{timing} ({len(arrivals)} tokens)")
     return 0
 
