@@ -64,7 +64,3 @@ def insert_slot(memory: KVMemory, slot_memory: KVMemory, slot: jax.Array | int) 
         step=jax.lax.dynamic_update_slice(memory.step, slot_memory.step, (slot,)),
     )
 
-
-def free_slot(memory: KVMemory, slot: jax.Array | int) -> KVMemory:
-    """Mark a slot empty. Its stale keys are never read: attention only looks below `step`."""
-    return memory._replace(step=memory.step.at[slot].set(0))
