@@ -9,7 +9,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder; optional Mixtral-style MoE FFN.
+    """Llama-family decoder; optional Mixtral-style MoE FFN; or, with memory="vq", a Transformer-VQ
+    decoder (n_layers x two gated attention units, no FFN; n_heads = H, head_dim = d_k, ffn_dim unused).
 
     Frozen so it can be a static argument of jitted functions and a dict key of compiled steps.
     """
@@ -27,7 +28,7 @@ class ModelConfig:
     context_length: int = 2048  # positions the model was trained for
     n_experts: int = 0  # 0 = dense SwiGLU MLP
     n_experts_per_token: int = 2
-    memory: str = "kv"  # "kv" (softmax KV cache); "vq" comes with Transformer-VQ
+    memory: str = "kv"  # "kv" (softmax KV cache) | "vq" (Transformer-VQ: codebook keys, constant-size state)
     dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
@@ -38,16 +39,25 @@ class ModelConfig:
     moe_routing: str = "mixtral"  # mixtral: softmax over the top-k logits | grok: softmax over all, top-k, not renormalised
     moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact
     moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
+    # Transformer-VQ (memory="vq"); docs/transformer-vq.md
+    vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
+    vq_codes: int = 512  # S, codebook size per head
+    vq_block_len: int = 512  # L, training block length (serving takes any block length)
+    vq_mem_len: int = 512  # M, window of exact keys; the position band covers distances 0..M
+    vq_pe_lam: float = 1e5  # lambda of the relative-position sinusoids
+    vq_e_preln: bool = True  # RMSNorm before the output head
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.memory == "kv":
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
             raise ValueError(f"n_experts_per_token={self.n_experts_per_token} not in 1..{self.n_experts}")
-        if self.memory != "kv":
-            raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv')")
+        if self.memory not in ("kv", "vq"):
+            raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv', 'vq')")
+        if self.memory == "vq":
+            self._check_vq()
         if self.dtype not in ("float32", "bfloat16", "int8"):
             raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8)")
         if self.moe_routing not in ("mixtral", "grok"):
@@ -55,13 +65,41 @@ class ModelConfig:
         if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
             raise ValueError(f"unknown moe_activation {self.moe_activation!r} (silu | gelu | gelu_exact)")
 
+    def _check_vq(self) -> None:
+        sizes = {"vq_value_dim": self.vq_value_dim, "vq_codes": self.vq_codes, "vq_block_len": self.vq_block_len,
+                 "vq_mem_len": self.vq_mem_len}
+        bad = [f"{k}={v}" for k, v in sizes.items() if v <= 0]
+        if bad:
+            raise ValueError(f"memory='vq' needs positive {', '.join(bad)}")
+        if self.dim % 2:
+            raise ValueError(f"dim={self.dim} must be even for the sin|cos position sinusoids")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(f"memory='vq' has no kv-head grouping: n_kv_heads={self.n_kv_heads} must equal "
+                             f"n_heads={self.n_heads}")
+        if self.n_experts:
+            raise ValueError("memory='vq' has no FFN, so no experts")
+
     @property
     def n_params(self) -> int:
+        """Numbers in the serving param tree (for VQ: learned weights plus the codebooks)."""
+        if self.memory == "vq":
+            return self._vq_n_params()
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         per_layer = attn + ffn + (4 if self.sandwich_norms else 2) * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
+
+    def _vq_n_params(self) -> int:
+        h, d, dk, dv, s = self.n_heads, self.dim, self.head_dim, self.vq_value_dim, self.vq_codes
+        gau = (2 * d  # input norm gain and bias
+               + d * h * dk * 2  # q_proj, r_proj
+               + d * h * (dk + 2 * dv)  # kvg_proj
+               + h * dv * d  # o_proj
+               + 2 * h * dk  # xl_u, xl_v
+               + h * s * (dk + 1))  # codebook c_sum, c_count
+        head = self.vocab_size + (0 if self.tie_embeddings else self.vocab_size * self.dim)  # (+ output bias)
+        return 2 * self.n_layers * gau + self.vocab_size * self.dim + head + (self.dim if self.vq_e_preln else 0)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -109,5 +147,15 @@ def tiny_config(**changes: Any) -> ModelConfig:
         rope_theta=10000.0,
         tie_embeddings=False,
         context_length=256,
+    )
+    return base.replace(**changes)
+
+
+def tiny_vq_config(**changes: Any) -> ModelConfig:
+    """A small random-weight Transformer-VQ config for tests: 2 layers (4 GAUs), 2 heads, 8 codes, window 4."""
+    base = ModelConfig(
+        vocab_size=128, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, ffn_dim=0, norm_eps=1e-6,
+        tie_embeddings=True, context_length=256, memory="vq", vq_value_dim=16, vq_codes=8, vq_block_len=4,
+        vq_mem_len=4,
     )
     return base.replace(**changes)
