@@ -50,6 +50,7 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = 4 << 20) -> FastAPI:
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
+    app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
     created = int(time.time())
     metrics = Metrics(runner.stats)
     app.state.metrics = metrics
@@ -93,6 +94,8 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
 
     def _check_ready():
+        if app.state.failed:
+            raise APIError(503, f"the server cannot serve: {app.state.failed}", "service_unavailable")
         if app.state.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if not runner.ready.is_set():
@@ -120,6 +123,8 @@ def create_app(runner, tokenizer: Tokenizer, model_name: str, max_len: int, *, a
     # -- plain routes -----------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if app.state.failed:
+            return JSONResponse({"status": "failed", "error": app.state.failed}, status_code=503)
         if app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not runner.ready.is_set():

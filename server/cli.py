@@ -50,13 +50,12 @@ def cmd_models(args) -> int:
     return 0
 
 
-def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
-    """Model from the store (pulling the default one if absent) → (tokenizer, runner, context length).
-    The runner is started without warm-up when `start` (one-shot use), else left for the caller."""
+def load_engine(args, slots: int, hosts=None):
+    """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
+    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards."""
     from model.sharding import param_shardings, parse_mesh
     from model.transformer import build_model, param_shapes
     from server.engine import Engine
-    from server.runner import InferenceRunner
 
     store = ModelStore()
     if args.model == DEFAULT_MODEL and not store.exists(args.model):
@@ -65,16 +64,24 @@ def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
         pull(args.model, store)
     weights = getattr(args, "weights", None)
     config = store.config(args.model, weights)
-    mesh = parse_mesh(args.mesh, config)
+    mesh = hosts.mesh(args.mesh, config) if hosts else parse_mesh(args.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
-    engine = Engine(build_model(config), params, slots=slots, max_len=args.max_len, mesh=mesh,
-                    n_top=getattr(args, "max_logprobs", 5))
+    return Engine(build_model(config), params, slots=slots, max_len=args.max_len, mesh=mesh,
+                  n_top=getattr(args, "max_logprobs", 5))
+
+
+def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
+    """(tokenizer, runner, context length) of the model. The runner is started without warm-up when
+    `start` (one-shot use), else left for the caller."""
+    from server.runner import InferenceRunner
+
+    engine = load_engine(args, slots)
     runner = InferenceRunner(engine, max_queue=max_queue)
     if start:
         runner.start(warmup=False)
-    return store.tokenizer(args.model), runner, engine.max_len
+    return ModelStore().tokenizer(args.model), runner, engine.max_len
 
 
 def cmd_generate(args) -> int:
@@ -161,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
+    g = p.add_argument_group("multi-host (see docs/deploy.md)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of host 0 (env HKSERVE_COORDINATOR)")
+    g.add_argument("--num-hosts", type=int, default=None, help="hosts serving this model (env HKSERVE_NUM_HOSTS)")
+    g.add_argument("--host-id", type=int, default=None, help="this host, 0..N-1; 0 serves HTTP (env HKSERVE_HOST_ID)")
+    g.add_argument("--hosts-mesh", default=None, help="DATAxMODEL tiling of the hosts, default Nx1 "
+                                                       "(env HKSERVE_HOSTS_MESH); --mesh tiles each host's devices")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("sample", help="complete every prompt of a JSONL file (resumable)")

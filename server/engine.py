@@ -74,13 +74,15 @@ class Engine:
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""
         config = self.model.config
-        state = DecodeState(
-            memory=init_memory(config, self.slots, self.max_len),
-            tokens=np.zeros((self.slots,), np.int32),
-            settings=make_settings([{}] * self.slots, config.vocab_size),
-            history=empty_history(self.slots, config.vocab_size),
-        )
-        self.state = jax.device_put(state, self.state_shardings)
+        # Made by a jitted function straight into its shardings: no host or single-device copy of the
+        # memory, and valid when the mesh spans hosts (each host makes only its own shards).
+        make = jax.jit(lambda: DecodeState(init_memory(config, self.slots, self.max_len),
+                                           jnp.zeros((self.slots,), jnp.int32),
+                                           jax.tree_util.tree_map(jnp.asarray, make_settings([{}] * self.slots,
+                                                                                             config.vocab_size)),
+                                           empty_history(self.slots, config.vocab_size)),
+                       out_shardings=self.state_shardings)
+        self.state = make()
         self.positions = np.zeros(self.slots, np.int64)  # host mirror of memory.step
 
     def _sharding(self, *spec) -> NamedSharding:
@@ -126,15 +128,17 @@ class Engine:
         takes no keyword arguments)."""
         key = (kind, attend_len)
         if key not in self._compiled:
-            rep, rows = self._sharding(), self._sharding("data")
+            rep = self._sharding()
             if kind == "prefill":
                 fn = functools.partial(self._prefill_impl, attend_len)
                 in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep)
                 out_sh = (self.state_shardings, rep)
             else:
+                # `active` and the sampled tokens are replicated: tiny, and every host can then
+                # pass and read them even when the slots' rows live on other hosts.
                 fn = functools.partial(self._step_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rows)
-                out_sh = (self.state_shardings, rows)
+                in_sh = (self.param_shardings, self.state_shardings, rep)
+                out_sh = (self.state_shardings, rep)
             self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1,))
         return self._compiled[key]
 

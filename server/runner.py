@@ -140,6 +140,15 @@ class InferenceRunner:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def abort(self, error: str) -> None:
+        """From any thread: the engine can no longer run (a lost host). End every request with
+        `error` now: the loop thread may be blocked inside a device call that will never return."""
+        self.ready.clear()
+        self._stop.set()
+        self._fail_all(error)
+        with self._wake:
+            self._wake.notify()
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
         if request.max_tokens < 1:

@@ -1,5 +1,8 @@
 """`hkserve serve`: load a model, answer /health with 503 while warming up, serve with uvicorn, drain
-on SIGTERM (stop admitting, let running requests finish, then stop the engine)."""
+on SIGTERM (stop admitting, let running requests finish, then stop the engine).
+
+Multi-host (server/multihost.py): host 0 runs all of this over a LeaderEngine; the other hosts load
+the same model onto their part of the mesh and replay host 0's engine calls, without HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import types
 
 import uvicorn
 
@@ -28,12 +32,27 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(args) -> int:
-    from server.cli import load_runner
+    from checkpoint.store import ModelStore
+    from server.cli import load_engine
+    from server.multihost import HostGroup
+    from server.runner import InferenceRunner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("HKSERVE_API_KEY") or None
-    tokenizer, runner, max_len = load_runner(args, slots=args.slots, start=False, max_queue=args.max_queue)
-    app = create_app(runner, tokenizer, args.model, max_len, api_key=api_key, cors_origins=tuple(args.cors_origin or ()))
+    hosts = HostGroup.from_args(args)
+    if hosts:
+        hosts.initialize()
+    engine = load_engine(args, args.slots, hosts)
+    if hosts and hosts.host_id:
+        return run_follower(engine, hosts)
+    serving = types.SimpleNamespace(app=None, runner=None)  # what a lost host must fail, once it exists
+    if hosts:
+        engine = _lead(engine, hosts, serving)
+    runner = InferenceRunner(engine, max_queue=args.max_queue)
+    max_len = engine.max_len
+    app = create_app(runner, ModelStore().tokenizer(args.model), args.model, max_len, api_key=api_key,
+                     cors_origins=tuple(args.cors_origin or ()))
+    serving.app, serving.runner = app, runner
 
     def warm_up():
         log.info("compiling prefill buckets and decode windows ...")
@@ -51,4 +70,37 @@ def run_server(args) -> int:
         server.run()
     finally:
         runner.stop()
+        if hosts:
+            engine.close()
     return 0
+
+
+def _lead(engine, hosts, serving: types.SimpleNamespace):
+    """Accept the other hosts on the control port; losing one fails every request, turns /health 503
+    and ends this process non-zero within seconds (the engine cannot run without the lost host)."""
+    from server.control import Leader
+    from server.multihost import LeaderEngine, exit_lost
+
+    def on_lost(host: int, reason: str) -> None:
+        message = f"lost host {host} of {hosts.num_hosts} ({reason})"
+        log.error("%s: failing all requests and exiting", message)
+        if serving.app is not None:
+            serving.app.state.failed = message
+            serving.runner.abort(message)
+            threading.Timer(2.0, exit_lost, (f"host {host}", reason)).start()  # let the errors reach clients
+        else:
+            exit_lost(f"host {host}", reason)
+
+    log.info("host 0: waiting for %d other hosts on control port %d", hosts.num_hosts - 1, hosts.control_port)
+    return LeaderEngine(engine, Leader(hosts.control_port, hosts.num_hosts, on_lost))
+
+
+def run_follower(engine, hosts) -> int:
+    """A host other than 0: replay host 0's engine calls until it stops; exit non-zero if it is lost."""
+    from server.control import Follower
+    from server.multihost import exit_lost, follow
+
+    channel = Follower(hosts.leader_host, hosts.control_port, hosts.host_id,
+                       on_lost=lambda reason: exit_lost("host 0", reason))
+    log.info("host %d: following host 0 at %s:%d", hosts.host_id, hosts.leader_host, hosts.control_port)
+    return follow(engine, channel)
