@@ -2,6 +2,9 @@
 
 The layers are stacked on a leading axis because the decoder scans over them; `step` is shared by
 all layers since every layer sees the same tokens.
+
+`init_memory`, `insert_slot` and `reset_slot` also serve Transformer-VQ's VQMemory (model/vq_memory.py):
+init by config.memory, the others by the memory's type, so a caller handles either kind alike.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model import vq_memory
 from model.config import ModelConfig
+from model.vq_memory import VQMemory
 
 
 class KVMemory(NamedTuple):
@@ -32,11 +37,14 @@ def cache_dtype(config: ModelConfig):
     return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
 
 
-def init_memory(config: ModelConfig, batch: int, max_len: int) -> KVMemory:
-    """Empty memory for `batch` slots of `max_len` positions.
+def init_memory(config: ModelConfig, batch: int, max_len: int) -> KVMemory | VQMemory:
+    """Empty memory for `batch` slots of `max_len` positions (a VQMemory, which has no length axis,
+    for memory="vq").
 
     K and V are separate zero arrays (not one array twice) so both can be donated to a step.
     """
+    if config.memory == "vq":
+        return vq_memory.init_memory(config, batch)
     shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
     dtype = cache_dtype(config)
     return KVMemory(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), step=jnp.zeros((batch,), jnp.int32))
@@ -47,6 +55,8 @@ def insert_slot(memory: KVMemory, slot_memory: KVMemory, slot: jax.Array | int) 
 
     The slot memory may be shorter than the batched one: positions past it are zeroed in the slot.
     """
+    if isinstance(memory, VQMemory):
+        return vq_memory.insert_slot(memory, slot_memory, slot)
     if slot_memory.batch != 1:
         raise ValueError(f"insert_slot takes a one-slot memory, got batch {slot_memory.batch}")
     pad = memory.max_len - slot_memory.max_len
@@ -64,3 +74,9 @@ def insert_slot(memory: KVMemory, slot_memory: KVMemory, slot: jax.Array | int) 
         step=jax.lax.dynamic_update_slice(memory.step, slot_memory.step, (slot,)),
     )
 
+
+def reset_slot(memory: KVMemory | VQMemory, slot: jax.Array | int) -> KVMemory | VQMemory:
+    """Slot `slot` empty again. KV: step 0 is enough (positions past step are never read)."""
+    if isinstance(memory, VQMemory):
+        return vq_memory.reset_slot(memory, slot)
+    return memory._replace(step=memory.step.at[slot].set(0))

@@ -8,6 +8,11 @@ sharded. Tensor-parallel attention then needs heads divisible by the model axis.
 
 Memory: slots on "data"; kv heads on "model" when divisible (matching the k/v projections), else
 replicated.
+
+Transformer-VQ (memory="vq", params stacked over G = 2 * n_layers GAUs): q/r projections, u, v',
+the output projection, the codebook and the VQ memory split by heads on "model" when divisible. The
+fused k|v|g projection is replicated: its columns are [all k | all v | all g], so an even split of them
+does not follow heads. The output bias follows the vocabulary.
 """
 
 from __future__ import annotations
@@ -46,6 +51,17 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/mlp/(gate_proj|up_proj)/scale$", P(None, "model"), None),  # [L, F]
     (r"decoder/layers/moe/(gate_proj|up_proj)_scale$", P(None, None, "model"), None),  # [L, E, F]
     (r"decoder/layers/moe/down_proj_scale$", P(None, None, None), None),  # [L, E, D]
+    # Transformer-VQ
+    (r"decoder/out_bias/b$", P("model"), None),  # [V]
+    (r"decoder/layers/gau/input_norm/(scale|bias)$", P(None, None), None),  # [G, D]
+    (r"decoder/layers/gau/(q_proj|r_proj)/w$", P(None, None, "model"), "n_heads"),  # [G, D, H*dk]
+    (r"decoder/layers/gau/kvg_proj/w$", P(None, None, None), None),  # [G, D, H*(dk+2dv)]
+    (r"decoder/layers/gau/o_proj/w$", P(None, "model", None), "n_heads"),  # [G, H*dv, D]
+    (r"decoder/layers/gau/(xl_u|xl_v)$", P(None, "model"), "n_heads"),  # [G, H*dk]
+    (r"decoder/layers/gau/codebook/c_sum$", P(None, "model", None, None), "n_heads"),  # [G, H, S, dk]
+    (r"decoder/layers/gau/codebook/c_count$", P(None, "model", None), "n_heads"),  # [G, H, S]
+    (r"decoder/layers/gau/(q_proj|r_proj)/scale$", P(None, "model"), "n_heads"),  # [G, H*dk]
+    (r"decoder/layers/gau/(kvg_proj|o_proj)/scale$", P(None, None), None),  # [G, H*(dk+2dv)] | [G, D]
 ]
 
 
@@ -101,9 +117,17 @@ def memory_spec(config: ModelConfig, mesh: Mesh) -> P:
 
 
 def memory_shardings(config: ModelConfig, mesh: Mesh):
-    """KVMemory of NamedShardings: k, v per `memory_spec`, step [B] on "data"."""
+    """KVMemory of NamedShardings: k, v per `memory_spec`, step [B] on "data". For memory="vq" a
+    VQMemory: slots on "data", heads on "model" when divisible."""
     from model.memory import KVMemory
 
+    if config.memory == "vq":
+        from model.vq_memory import VQMemory
+
+        heads = "model" if config.n_heads % mesh.shape["model"] == 0 else None
+        per_code = NamedSharding(mesh, P(None, "data", heads, None))  # z_win [G,B,H,M], n [G,B,H,S]
+        per_value = NamedSharding(mesh, P(None, "data", heads, None, None))  # v_win, u_mean [G,B,H,*,dv]
+        return VQMemory(NamedSharding(mesh, P("data")), per_code, per_value, per_code, per_value)
     kv = NamedSharding(mesh, memory_spec(config, mesh))
     return KVMemory(kv, kv, NamedSharding(mesh, P("data")))
 

@@ -84,6 +84,12 @@ class Model(NamedTuple):
 
 
 def build_model(config: ModelConfig) -> Model:
+    """The decoder of `config`: the KV decoder here, or Transformer-VQ's (model/vq_model.py) for memory="vq"."""
+    if config.memory == "vq":
+        from model.vq_model import build_vq_model
+
+        return build_vq_model(config)
+
     def fn(tokens, memory, lengths, slots, attend_len, last_only):
         with hk.experimental.name_scope("decoder"):
             return _decoder(config, tokens, memory, lengths, slots, attend_len, last_only)

@@ -84,4 +84,4 @@ def reference_gau(params: dict, codebook: dict, x: np.ndarray, config, prefix: s
     v_win = np.zeros((b, h, m, dv))
     z_win[:, :, m - (t - old):] = z[:, :, old:]
     v_win[:, :, m - (t - old):] = v[:, :, old:]
-    return dict(res=res, wv=wv, z=z, z_win=z_win, v_win=v_win, n=n, u_mean=u_mean)
+    return {"res": res, "wv": wv, "z": z, "z_win": z_win, "v_win": v_win, "n": n, "u_mean": u_mean}
