@@ -91,29 +91,33 @@ def reset_slot(memory: VQMemory, slot: jax.Array | int) -> VQMemory:
     )
 
 
-def read_rows(memory: VQMemory, rows: jax.Array) -> tuple[jax.Array, GAUState]:
-    """(step [b], the stacked state [G, b, ...]) of memory rows `rows`, rows at step 0 cleared."""
-    step = memory.step[rows]
+def read_rows(memory: VQMemory, rows: jax.Array | None) -> tuple[jax.Array, GAUState]:
+    """(step [b], the stacked state [G, b, ...]) of memory rows `rows` (None: all), rows at step 0
+    cleared."""
+    step = memory.step if rows is None else memory.step[rows]
     fresh = step == 0
     s = memory.n.shape[-1]
 
-    def clear(x, empty):  # x: [G, b, ...]
+    def clear(x, empty):  # x: [G, B, ...]
+        x = x if rows is None else x[:, rows]
         return jnp.where(fresh.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.asarray(empty, x.dtype), x)
 
-    state = GAUState(*(clear(x[:, rows], e) for x, e in zip(memory.layers, (s, 0, 0, 0))))
-    return step, state
+    return step, GAUState(*(clear(x, e) for x, e in zip(memory.layers, (s, 0, 0, 0))))
 
 
-def write_rows(memory: VQMemory, rows: jax.Array, new: GAUState, lengths: jax.Array) -> VQMemory:
-    """Store the rows' new state and advance their step; rows with lengths 0 keep every bit."""
+def write_rows(memory: VQMemory, rows: jax.Array | None, new: GAUState, lengths: jax.Array) -> VQMemory:
+    """Store the new state of rows `rows` (None: all) and advance their step; rows with lengths 0
+    keep every bit."""
     moved = lengths > 0
 
     def put(old, x):  # old: [G, B, ...]; x: [G, b, ...]
         keep = moved.reshape((1, -1) + (1,) * (x.ndim - 2))
+        if rows is None:
+            return jnp.where(keep, x.astype(old.dtype), old)
         return old.at[:, rows].set(jnp.where(keep, x.astype(old.dtype), old[:, rows]))
 
-    return VQMemory(memory.step.at[rows].add(lengths.astype(jnp.int32)),
-                    *(put(old, x) for old, x in zip(memory.layers, new)))
+    step = memory.step + lengths if rows is None else memory.step.at[rows].add(lengths)
+    return VQMemory(step.astype(jnp.int32), *(put(old, x) for old, x in zip(memory.layers, new)))
 
 
 def advance(state: GAUState, z: jax.Array, v: jax.Array, lengths: jax.Array) -> GAUState:

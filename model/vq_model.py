@@ -38,8 +38,7 @@ class TrainAux(NamedTuple):
 
 def _decoder(c: ModelConfig, tokens, memory: VQMemory, lengths, slots, last_only: bool, is_train: bool):
     b = tokens.shape[0]
-    rows = jnp.arange(b) if slots is None else slots  # row i of `tokens` is memory slot rows[i]
-    step, states = read_rows(memory, rows)  # states: [G, b, ...]
+    step, states = read_rows(memory, slots)  # row i of `tokens` is memory slot slots[i] (None: slot i)
     embed = Embed(c.vocab_size, c.dim, param_dtype(c))
     x = embed(tokens) * c.embedding_multiplier  # [b, T, D]
 
@@ -49,7 +48,7 @@ def _decoder(c: ModelConfig, tokens, memory: VQMemory, lengths, slots, last_only
 
     stack = hk.layer_stack(2 * c.n_layers, with_per_layer_inputs=True, name="layers")
     x, (states, aux) = stack(block)(x, states)
-    memory = write_rows(memory, rows, states, lengths)
+    memory = write_rows(memory, slots, states, lengths)
 
     if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
         x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None, :]  # [b, 1, D]

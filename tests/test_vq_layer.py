@@ -14,7 +14,7 @@ from conftest import require_fixtures
 from vq_reference import reference_gau
 
 from model.config import ModelConfig
-from model.vq_attention import GAU, attend
+from model.vq_attention import GAU, attend, quantize
 from model.vq_memory import GAUState, advance
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -142,7 +142,7 @@ def test_attention_core_reproduces_wv_and_codes_block_by_block(fixture):
 
     @jax.jit
     def block(state, step, q, k, v):
-        z = jnp.argmin(jnp.sum((k[:, :, :, None] - codes[None, :, None]) ** 2, -1), -1).astype(jnp.int32)
+        z = quantize(k, codes)
         return attend(q, u, vb, codes, r, z, None, v, state, step), z, advance(state, z, v, lengths)
 
     state, step = empty_state(config, b), jnp.zeros(b, jnp.int32)

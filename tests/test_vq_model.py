@@ -22,7 +22,8 @@ from model.vq_model import (
     train_forward,
 )
 
-TOL = 1e-5
+TOL = 1e-5  # atol; with RTOL, since tied N(0,1) embeddings give logits of magnitude ~40
+RTOL = 1e-5
 CONFIG = tiny_vq_config()
 BUCKET = 16
 
@@ -84,7 +85,7 @@ def test_prefill_into_slots_then_decode_equals_one_long_forward():
     memory = init_memory(CONFIG, len(seqs), 0)
     for slot, (seq, n) in enumerate(zip(seqs, prompt_lens)):
         logits, memory = prefill(memory, seq[:n], slot)
-        np.testing.assert_allclose(logits[0], want[slot, n - 1], atol=TOL)
+        np.testing.assert_allclose(logits[0], want[slot, n - 1], atol=TOL, rtol=RTOL)
     np.testing.assert_array_equal(memory.step, prompt_lens)
     for step in range(steps):
         tokens = np.asarray([[s[n + step]] for s, n in zip(seqs, prompt_lens)], np.int32)
@@ -93,7 +94,8 @@ def test_prefill_into_slots_then_decode_equals_one_long_forward():
         logits, memory = forward(params, tokens, memory, active, None, None, False)
         for slot, n in enumerate(prompt_lens):
             if active[slot]:
-                np.testing.assert_allclose(logits[slot, 0], want[slot, n + step], atol=TOL, err_msg=f"{slot} {step}")
+                np.testing.assert_allclose(logits[slot, 0], want[slot, n + step], atol=TOL, rtol=RTOL,
+                                           err_msg=f"slot {slot} step {step}")
             else:
                 for old, new in zip(slot_of(before, slot), slot_of(memory, slot)):
                     np.testing.assert_array_equal(new, old)
@@ -111,10 +113,10 @@ def test_a_reset_slot_or_a_step_set_to_zero_starts_afresh():
     for empty, new in zip(slot_of(init_memory(CONFIG, 3, 0), 1), slot_of(memory, 1)):
         np.testing.assert_array_equal(new, empty)
     logits, memory = prefill(memory, seqs[1], 1)
-    np.testing.assert_allclose(logits[0], want[1, 6], atol=TOL)
-    # The KV engine restarts a slot by setting its step to 0: a VQ row at step 0 is empty too.
+    np.testing.assert_allclose(logits[0], want[1, 6], atol=TOL, rtol=RTOL)
+    # Setting step to 0 alone (enough for a KV memory) also empties a VQ row.
     logits, memory = prefill(used._replace(step=used.step.at[2].set(0)), seqs[2], 2)
-    np.testing.assert_allclose(logits[0], want[2, 9], atol=TOL)
+    np.testing.assert_allclose(logits[0], want[2, 9], atol=TOL, rtol=RTOL)
 
 
 # ---- training entry points ---------------------------------------------------------------------
@@ -147,10 +149,10 @@ def test_training_blocks_equal_one_serving_forward(trained):
     assert serving_params(params, codebook).keys() == serving.keys()
     want, memory = forward(serving, tokens, init_memory(CONFIG, 3, 0), np.full(3, BUCKET, np.int32), None, None,
                            False)
-    np.testing.assert_allclose(logits, want, atol=TOL)
+    np.testing.assert_allclose(logits, want, atol=TOL, rtol=RTOL)
     np.testing.assert_array_equal(carry.z_win, memory.z_win)
     np.testing.assert_array_equal(carry.n, memory.n)
-    np.testing.assert_allclose(carry.u_mean, memory.u_mean, atol=TOL)
+    np.testing.assert_allclose(carry.u_mean, memory.u_mean, atol=TOL, rtol=RTOL)
 
 
 def test_codebook_gets_no_gradient_and_keys_get_one_through_the_straight_through_estimator(trained):
@@ -189,7 +191,7 @@ def test_ema_update_equals_its_closed_form_on_the_batch_statistics(trained):
     hits = np.eye(CONFIG.vq_codes)[z]  # [B, H, T, S]
     stats = aux.stats["decoder/layers/gau/codebook"]
     np.testing.assert_allclose(stats["c_count"][0], hits.sum(axis=(0, 2)), atol=0)
-    np.testing.assert_allclose(stats["c_sum"][0], np.einsum("bhts,bhtd->hsd", hits, k), atol=TOL)
+    np.testing.assert_allclose(stats["c_sum"][0], np.einsum("bhts,bhtd->hsd", hits, k), atol=TOL, rtol=RTOL)
     assert stats["c_count"].shape == codebook["decoder/layers/gau/codebook"]["c_count"].shape
     gamma = 0.9
     new = ema_update(codebook, aux.stats, gamma)

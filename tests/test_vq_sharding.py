@@ -29,7 +29,7 @@ def test_vq_decoder_sharded_2x4_equals_single_device(tmp_path):
         if want.dtype.kind in "iu" or key == "n":  # codes, steps and counts agree exactly
             np.testing.assert_array_equal(got, want, err_msg=key)
         else:
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=key)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=key)
 
 
 def test_vq_heads_shard_on_model_only_when_divisible():
