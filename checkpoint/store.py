@@ -72,7 +72,12 @@ class ModelStore:
     def config(self, name: str, weights: str | None = None) -> ModelConfig:
         """The model's config, for a weight variant (f32 | bf16 | int8) when given."""
         config = self.info(name).config
-        return config if weights is None else config.replace(dtype=WEIGHTS[weights])
+        if weights is None or WEIGHTS[weights] == config.dtype:
+            return config
+        if config.memory == "vq":
+            raise ValueError(f"model {name!r} is a Transformer-VQ model: it serves its stored {config.dtype} "
+                             f"weights only (weight variants are for KV models)")
+        return config.replace(dtype=WEIGHTS[weights])
 
     def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
         """Params restored onto `shardings`; a weight variant is made from the float32 master (and

@@ -394,7 +394,7 @@ def print_table(report: dict, config) -> None:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """`bench` with its benchmarks as sub-subcommands (engine now; serve, vq later)."""
+    """`bench` with its benchmarks as sub-subcommands: engine, serve, moe, vq."""
     bench = subparsers.add_parser("bench", help="measure throughput (see docs/benchmarks.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -423,4 +423,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
     bench_moe.add_arguments(p)
     p.set_defaults(func=bench_moe.run)
+
+    from server import bench_vq
+
+    p = kinds.add_parser("vq", help="per-token decode time and memory per slot: Transformer-VQ vs KV by context")
+    bench_vq.add_arguments(p)
+    p.set_defaults(func=bench_vq.run)
     return bench

@@ -19,10 +19,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model.memory import KVMemory, init_memory
+from model.memory import KVMemory, init_memory, reset_slot
 from model.sampling import SampleOutput, SampleSettings, TokenHistory, empty_history, make_settings, sample
 from model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
 from model.transformer import Model, param_shapes
+from model.vq_memory import VQMemory
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -32,7 +33,7 @@ class ContextLengthError(ValueError):
 
 
 class DecodeState(NamedTuple):
-    memory: KVMemory
+    memory: KVMemory | VQMemory  # by config.memory
     tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
     settings: SampleSettings  # [B] per-slot sampling settings ([B, V] logit bias)
     history: TokenHistory  # [B, V] what the penalties see
@@ -63,7 +64,8 @@ class Engine:
         check_slots(slots, self.mesh)
         self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
-        self.windows = window_sizes(max_len, min(128, max_len))
+        # A VQ memory has no length axis: its step costs the same at any position, one window does.
+        self.windows = (max_len,) if config.memory == "vq" else window_sizes(max_len, min(128, max_len))
 
         self.param_shardings = param_shardings(param_shapes(config), self.mesh, config)
         self.params = jax.device_put(params, self.param_shardings)
@@ -102,7 +104,7 @@ class Engine:
         seen = jnp.zeros((self.model.config.vocab_size,), bool)
         seen = seen.at[jnp.where(t_idx < length[0], tokens[0], seen.shape[0])].set(True, mode="drop")
         if attend_len == 0:
-            memory = memory._replace(step=memory.step.at[slot].set(0))
+            memory = reset_slot(memory, slot[0])
             history = TokenHistory(history.counts.at[slot].set(0), history.in_prompt.at[slot].set(seen))
         else:
             history = history._replace(in_prompt=history.in_prompt.at[slot].set(history.in_prompt[slot] | seen))
