@@ -1,4 +1,5 @@
-"""`hkserve` command line: pull | convert | models | generate.
+"""`hkserve` command line: pull | convert | models | serve | sample | bench | eval-ppl | generate, and the
+training commands of train/cli.py (train | train-vocab | validation | test).
 
 Results go to stdout, everything else (progress, timings, logs) to stderr, so output can be piped.
 """
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "if that divides the heads, else all on data)")
     p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
     p.set_defaults(func=cmd_generate)
+
+    from train.cli import register as add_train_parsers
+
+    add_train_parsers(sub)  # train, train-vocab, validation, test
     return parser
 
 
