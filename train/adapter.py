@@ -29,6 +29,13 @@ class TrainModel(NamedTuple):
     serving_params: Callable  # (params, codebook) -> params for ModelStore.save
 
 
+def committed(tree):
+    """`tree` placed on the default device explicitly. Restored and step-output arrays are committed
+    to a device, fresh ones are not, and jit compiles once per placement: a fresh carry at every
+    sequence start (or a fresh state) must be committed too, or the step compiles a second time."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 def _kv_model(config: ModelConfig) -> TrainModel:
     from model.memory import init_memory
     from model.transformer import build_model
@@ -56,7 +63,7 @@ def _vq_model(config: ModelConfig) -> TrainModel:
         return logits.astype(jnp.float32), aux, carry
 
     return TrainModel(config=config, init=lambda rng: init_train(config, rng), forward=forward,
-                      init_carry=lambda batch: init_memory(config, batch), ema_update=ema_update,
+                      init_carry=lambda batch: committed(init_memory(config, batch)), ema_update=ema_update,
                       serving_params=serving_params)
 
 

@@ -22,7 +22,9 @@ class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3, read_only: bool = False):
         policy = ocp.checkpoint_managers.AnyPreservationPolicy([
             ocp.checkpoint_managers.LatestN(n=keep),
-            ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m[_METRIC], n=1, keep_checkpoints_without_metrics=False),
+            # BestN keeps the end of the sort: reverse (descending) so that end is the lowest loss
+            ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m[_METRIC], reverse=True, n=1,
+                                          keep_checkpoints_without_metrics=False),
         ])
         # read_only: a reader (validation, test) must not clean up the temporary directory of a save
         # that a running trainer is writing; it never saves, so its preservation policy never runs.

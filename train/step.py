@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train.adapter import TrainModel
+from train.adapter import TrainModel, committed
 from train.data import Batch
 
 
@@ -41,7 +41,7 @@ def init_state(model: TrainModel, tx: optax.GradientTransformation, seed: int, b
         params, codebook = model.init(jax.random.PRNGKey(seed))
         return TrainState(jnp.zeros((), jnp.int32), params, codebook, tx.init(params), model.init_carry(batch))
 
-    return jax.jit(build)()
+    return committed(jax.jit(build)())
 
 
 def masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
