@@ -206,7 +206,7 @@ class TrainConfig(_Section):
 
 
 def _describe(error: dict) -> str:
-    where = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-after")) or "(top level)"
+    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
     if error["type"] not in ("missing", "extra_forbidden", "value_error") and not isinstance(error.get("input"), dict):
         message += f" (got {error.get('input')!r})"

@@ -42,7 +42,8 @@ def read_splits(data) -> dict[str, str]:
         if fraction == 0:
             continue
         done += fraction
-        end = len(text) if done >= 1 - 1e-9 else text.find("\n", int(done * len(text))) + 1 or len(text)
+        line_end = text.find("\n", int(done * len(text)))
+        end = len(text) if done >= 1 - 1e-9 or line_end < 0 else line_end + 1
         splits[name] = text[start:end]
         start = end
     return splits
@@ -50,8 +51,7 @@ def read_splits(data) -> dict[str, str]:
 
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """[N] int32: BOS, then the text's ids; the BOS makes the first character a scored target too."""
-    ids = tokenizer.backend.encode(text)
-    return np.asarray([tokenizer.bos_id, *ids], np.int32)
+    return np.asarray(tokenizer.encode(text, add_bos=True), np.int32)
 
 
 class TrainStream:

@@ -25,11 +25,9 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def train(session: Session, progress: bool = True, steps: int | None = None) -> TrainState:
-    """Run to `steps` (default: the config's) and return the final state. The learning-rate schedule
-    always follows the config's step count, so stopping early and resuming changes nothing."""
+def train(session: Session, progress: bool = True) -> TrainState:
+    """Run from the latest checkpoint (or from scratch) to the config's step count → the final state."""
     cfg = session.cfg
-    steps = cfg.steps if steps is None else min(steps, cfg.steps)
     stream = TrainStream(session.ids("train"), cfg.batch_size, cfg.sequence_len, cfg.update_len, cfg.seed)
     latest = session.checkpoints.latest_step()
     state = session.fresh_state() if latest is None else session.restore(latest)
@@ -37,10 +35,10 @@ def train(session: Session, progress: bool = True, steps: int | None = None) -> 
     if latest is not None:
         _log(f"resuming from the checkpoint at step {latest} in {session.checkpoints.directory}")
     log = MetricsLog(cfg.metrics, start)
-    bar = tqdm(total=steps, initial=start, file=sys.stderr, disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, file=sys.stderr, disable=not progress, unit="step", dynamic_ncols=True)
     tokens_per_step = cfg.batch_size * cfg.update_len
     try:
-        for step in range(start, steps):
+        for step in range(start, cfg.steps):
             began = time.perf_counter()
             if stream.starts_sequence(step):
                 state = state._replace(carry=session.model.init_carry(cfg.batch_size))

@@ -48,7 +48,11 @@ class Session:
         return init_state(self.model, self.tx, self.cfg.seed, self.cfg.batch_size)
 
     def restore(self, step: int) -> TrainState:
-        return self.checkpoints.restore(step, jax.eval_shape(self.fresh_state))
+        try:
+            return self.checkpoints.restore(step, jax.eval_shape(self.fresh_state))
+        except (ValueError, KeyError) as e:  # e.g. a checkpoint of another model size in the same dir
+            raise ValueError(f"the checkpoint at step {step} in {self.checkpoints.directory} does not fit "
+                             f"{self.source} ({e}); point checkpoint.dir elsewhere to start anew") from None
 
     def evaluate(self, state: TrainState, split: str, max_groups: int | None = None) -> EvalResult:
         cfg = self.cfg
