@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train_helpers import read_metrics, write_run, write_texts
 from train.cli import main as train_cli
 from train.vocab import train_sentencepiece
+from train_helpers import read_metrics, write_run, write_texts
 
 REPORT = re.compile(r"(\w+) @ step (\d+): loss ([\d.]+) nats/token, ([\d.]+) bits/byte over (\d+) tokens \((\d+) bytes\)")
 

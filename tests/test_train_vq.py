@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.train_helpers import read_metrics, write_run
 from train.checkpoints import Checkpoints
 from train.data import TrainStream
 from train.loop import train
 from train.optim import decay_mask
 from train.session import Session
+from train_helpers import read_metrics, write_run
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNKS = 4  # sequence_len / update_len of write_run's config
@@ -144,7 +144,7 @@ def test_export_serves_from_the_store(vq_run, tmp_path):
 @pytest.mark.slow
 def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
     from checkpoint.store import ModelStore
-    from tests.conftest import hkserve
+    from conftest import hkserve
     from train.export import export_model
 
     session, state, _, _ = vq_run
