@@ -152,3 +152,32 @@ def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
     result = hkserve("generate", "--model", "tiny-vq", "--max-tokens", "16", "--temperature", "0",
                      "--max-len", "64", "And God said", home=tmp_path)
     assert "(16 tokens)" in result.stderr, result.stderr[-2000:]  # (30 steps of bytes: greedy gives spaces)
+
+
+def test_the_exported_vq_model_streams_over_http_like_a_kv_model(vq_run, tmp_path):
+    """The trained VQ model behind the OpenAI API: streamed and whole completions agree for a seed."""
+    import openai
+    from checkpoint.store import ModelStore
+    from http_helpers import LiveServer
+    from model.transformer import build_model
+    from server.api import create_app
+    from server.engine import Engine
+    from server.runner import InferenceRunner
+    from train.export import export_model
+
+    session, state, _, _ = vq_run
+    store = ModelStore(tmp_path)
+    export_model(session, state, "tiny-vq", store)
+    config = store.config("tiny-vq")
+    engine = Engine(build_model(config), store.params("tiny-vq"), slots=2, max_len=256, prefill_buckets=(16,))
+    runner = InferenceRunner(engine).start(warmup=False)
+    server = LiveServer(create_app(runner, store.tokenizer("tiny-vq"), "tiny-vq", engine.max_len))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        common = {"model": "tiny-vq", "prompt": "And God said", "max_tokens": 12, "temperature": 0.9, "seed": 5}
+        whole = client.completions.create(**common)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **common) if c.choices)
+        assert streamed == whole.choices[0].text and whole.usage.completion_tokens == 12
+    finally:
+        server.stop()
+        runner.stop()
