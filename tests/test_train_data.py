@@ -6,21 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from checkpoint.tokenizer import Tokenizer
-from train.cli import main as train_cli
+from server.cli import main as hkserve_main
 from train.config import DataConfig
 from train.data import TrainStream, encode, eval_sequences, read_splits
 from train.vocab import BOS_ID, byte_tokenizer, sentencepiece_tokenizer, token_byte_lengths
+from train_helpers import GENESIS
 
-# Genesis 1:1-8, King James Version (public domain).
-GENESIS = """In the beginning God created the heaven and the earth.
-And the earth was without form, and void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.
-And God said, Let there be light: and there was light.
-And God saw the light, that it was good: and God divided the light from the darkness.
-And God called the light Day, and the darkness he called Night. And the evening and the morning were the first day.
-And God said, Let there be a firmament in the midst of the waters, and let it divide the waters from the waters.
-And God made the firmament, and divided the waters which were under the firmament from the waters which were above the firmament: and it was so.
-And God called the firmament Heaven. And the evening and the morning were the second day.
-"""
 ODD = "  two  spaces,\ttab, naïve café — 日本語\n\nend "  # whitespace runs and non-ASCII must survive
 
 
@@ -42,7 +33,7 @@ def test_byte_tokenizer_is_utf8_and_lossless(tmp_path):
 def test_train_vocab_writes_a_lossless_sentencepiece_model(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(GENESIS * 3)
-    assert train_cli(["train-vocab", "--input", str(corpus), "--vocab-size", "400",
+    assert hkserve_main(["train-vocab", "--input", str(corpus), "--vocab-size", "400",
                       "--output", str(tmp_path / "vocab")]) == 0
     assert "400 pieces" in capsys.readouterr().out
     tok = sentencepiece_tokenizer(tmp_path / "vocab.model")
@@ -58,7 +49,7 @@ def test_train_vocab_writes_a_lossless_sentencepiece_model(tmp_path, capsys):
 def test_train_vocab_reports_an_impossible_size(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(GENESIS)
-    assert train_cli(["train-vocab", "--input", str(corpus), "--vocab-size", "100000",
+    assert hkserve_main(["train-vocab", "--input", str(corpus), "--vocab-size", "100000",
                       "--output", str(tmp_path / "v")]) == 1
     assert "Vocabulary size too high" in capsys.readouterr().err
 

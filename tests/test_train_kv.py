@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from train.cli import main as train_cli
+from server.cli import main as hkserve_main
 from train.vocab import train_sentencepiece
 from train_helpers import read_metrics, write_run, write_texts
 
@@ -28,7 +28,7 @@ def kv_run(tmp_path_factory):
     home, previous = root / "home", os.environ.get("HKSERVE_HOME")
     os.environ["HKSERVE_HOME"] = str(home)
     try:
-        assert train_cli(["train", "--config", str(config), "--quiet", "--export", "tiny-kv"]) == 0
+        assert hkserve_main(["train", "--config", str(config), "--quiet", "--export", "tiny-kv"]) == 0
         yield root, config, home
     finally:
         if previous is None:
@@ -72,7 +72,7 @@ def test_the_best_checkpoint_outlives_the_last_k(tmp_path):
 
 
 def _report(capsys, *args) -> tuple:
-    assert train_cli(list(args)) == 0
+    assert hkserve_main(list(args)) == 0
     split, step, loss, bpb, tokens, n_bytes = REPORT.search(capsys.readouterr().out).groups()
     return split, int(step), float(loss), float(bpb), int(tokens), int(n_bytes)
 
@@ -96,7 +96,7 @@ def test_validation_and_test_report_bits_per_byte(kv_run, capsys):
 
 def test_evaluation_names_a_missing_checkpoint(kv_run, capsys):
     _, config, _ = kv_run
-    assert train_cli(["test", "--config", str(config), "--checkpoint", "7"]) == 1
+    assert hkserve_main(["test", "--config", str(config), "--checkpoint", "7"]) == 1
     assert "checkpoint '7' not found" in capsys.readouterr().err
 
 

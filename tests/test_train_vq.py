@@ -55,7 +55,7 @@ def _freeze_after_checkpoint(proc: subprocess.Popen, root: Path, timeout: float 
 def vq_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vq-run")
     config = write_run(root, "vq")
-    proc = subprocess.Popen([sys.executable, "-m", "train.cli", "train", "--config", str(config), "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "train", "--config", str(config), "--quiet"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         resumed_from = _freeze_after_checkpoint(proc, root)

@@ -1,12 +1,11 @@
 """`hkserve train | train-vocab | validation | test`.
 
-`register(subparsers)` adds the commands to hkserve's parser; `python -m train.cli ...` runs them
-alone. Results go to stdout, progress and logs to stderr.
+`register(subparsers)` adds the commands to hkserve's parser (server/cli.py). Results go to stdout,
+progress and logs to stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -76,20 +75,3 @@ def register(subparsers) -> None:
         p.add_argument("--checkpoint", default="best", help="best | latest | STEP (default: best)")
         p.add_argument("--batches", type=int, default=None, help="evaluate only the first N batch groups")
         p.set_defaults(func=cmd_evaluate)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hkserve", description="hkserve training commands")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-        _log(f"hkserve {args.command}: error: {e}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
