@@ -60,6 +60,7 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/gau/(xl_u|xl_v)$", P(None, "model"), "n_heads"),  # [G, H*dk]
     (r"decoder/layers/gau/codebook/c_sum$", P(None, "model", None, None), "n_heads"),  # [G, H, S, dk]
     (r"decoder/layers/gau/codebook/c_count$", P(None, "model", None), "n_heads"),  # [G, H, S]
+    (r"decoder/layers/gau/position_keys/r$", P(None, "model", None, None), "n_heads"),  # [G, H, M+1, dk]
     (r"decoder/layers/gau/(q_proj|r_proj)/scale$", P(None, "model"), "n_heads"),  # [G, H*dk]
     (r"decoder/layers/gau/(kvg_proj|o_proj)/scale$", P(None, None), None),  # [G, H*(dk+2dv)] | [G, D]
 ]

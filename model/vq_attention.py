@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import Linear, norm_dtype, param_dtype
+from model.layers import Linear, norm_dtype, param_dtype, quantized_weight
 from model.vq_memory import GAUState, advance
 
 F32 = jnp.float32
@@ -34,6 +34,18 @@ def sinusoids(n: int, width: int, lam: float) -> np.ndarray:
     omega = lam ** (-2.0 * np.arange(width // 2) / width)
     angles = np.arange(n)[:, None] * omega[None, :]
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1).astype(np.float32)
+
+
+def position_keys(w_r: jax.Array, config: ModelConfig) -> jax.Array:
+    """R [..., H, M+1, dk] of distances 0..M from W_r [..., D, H*dk] (any leading axes), scaled by d_k^-1/4.
+
+    A function of the params alone: serving computes it once per model (`prepare`), not in every step,
+    where it would cost more than the rest of a decode step."""
+    c = config
+    sin = jnp.asarray(sinusoids(c.vq_mem_len + 1, c.dim, c.vq_pe_lam))  # [M+1, D]
+    r = jnp.einsum("md,...de->...me", sin, w_r.astype(F32))  # [..., M+1, H*dk]
+    r = r.reshape(*r.shape[:-1], c.n_heads, c.head_dim)
+    return jnp.swapaxes(r, -2, -3) * c.head_dim**-0.25
 
 
 class AffineRMSNorm(hk.Module):
@@ -110,14 +122,15 @@ class GAU(hk.Module):
         super().__init__(name=name)
         self.c = config
 
-    def __call__(self, x, state: GAUState, step, lengths, is_train: bool = False):
-        """x [B,T,D]; state of this GAU; step [B] (tokens before the block); lengths [B] (real tokens).
+    def __call__(self, x, state: GAUState, step, lengths, is_train: bool = False, r=None):
+        """x [B,T,D]; state of this GAU; step [B] (tokens before the block); lengths [B] (real tokens);
+        r: this GAU's precomputed position keys [H, M+1, dk], or None to compute them from r_proj.
 
         Returns (out [B,T,D], new state, aux): aux is None, or when is_train (commit [] — mean
         ||k - sg(C_z)||^2 over real tokens and heads —, count [H,S], k_sum [H,S,dk]) over real tokens.
         """
         c = self.c
-        h, dk, dv, m = c.n_heads, c.head_dim, c.vq_value_dim, c.vq_mem_len
+        h, dk, dv = c.n_heads, c.head_dim, c.vq_value_dim
         dtype, ndtype = param_dtype(c), norm_dtype(c)
         b, t, _ = x.shape
         s4 = dk**-0.25  # applied to q, k, r, u and v' separately: the logits get no other scale
@@ -133,9 +146,10 @@ class GAU(hk.Module):
         codes = Codebook(c)()
         z = quantize(jax.lax.stop_gradient(k), codes)
 
-        # Position keys of distances 0..M, once per call (not per token).
-        r = Linear(h * dk, dtype, "r_proj")(jnp.asarray(sinusoids(m + 1, c.dim, c.vq_pe_lam)))
-        r = r.reshape(m + 1, h, dk).transpose(1, 0, 2) * s4  # [H, M+1, dk]
+        if r is None:  # training (and unprepared params): position keys of distances 0..M, once per call
+            with hk.experimental.name_scope("r_proj"):
+                w_r, scale = quantized_weight("w", [c.dim, h * dk], dtype, [h * dk], c.dim)
+            r = position_keys(w_r if scale is None else w_r.astype(F32) * scale, c)  # [H, M+1, dk]
         u = hk.get_parameter("xl_u", [h * dk], ndtype, init=jnp.zeros).astype(F32).reshape(h, dk) * s4
         vb = hk.get_parameter("xl_v", [h * dk], ndtype, init=jnp.zeros).astype(F32).reshape(h, dk) * s4
 

@@ -8,6 +8,10 @@ T = 1. Its `params` is the *serving tree*: the Haiku params with the codebook st
 module paths ending in "/codebook" ({".../gau/codebook": {"c_sum", "c_count"}}), so checkpointing,
 sharding and conversion see one tree; `split_serving_params` takes it apart again.
 
+Serving precomputes what depends on the params alone: `prepare` adds every GAU's position keys R
+(under "decoder/layers/gau/position_keys"), which `forward` then reads instead of projecting the
+sinusoids again in every decode step. Unprepared params work too (R computed per call).
+
 Training: `init_train`, `train_forward` (blocks of vq_block_len in a scan, straight-through keys),
 `ema_update` (the codebook's only update) and `serving_params` to hand the result to serving.
 """
@@ -24,11 +28,12 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.layers import Embed, Linear, RMSNorm, norm_dtype, param_dtype
 from model.transformer import Model
-from model.vq_attention import GAU
+from model.vq_attention import GAU, position_keys
 from model.vq_memory import VQMemory, init_memory, read_rows, write_rows
 
 F32 = jnp.float32
 CODEBOOK = "/codebook"  # module path suffix of the codebook state in the serving tree
+POSITION_KEYS = "decoder/layers/gau/position_keys"  # added by `prepare`: {"r": [G, H, M+1, dk]}
 
 
 class TrainAux(NamedTuple):
@@ -36,18 +41,19 @@ class TrainAux(NamedTuple):
     stats: dict  # like the codebook: {".../codebook": {"c_sum": [G,H,S,dk] sum 1[z=s] k, "c_count": [G,H,S] sum 1[z=s]}}
 
 
-def _decoder(c: ModelConfig, tokens, memory: VQMemory, lengths, slots, last_only: bool, is_train: bool):
+def _decoder(c: ModelConfig, tokens, memory: VQMemory, lengths, slots, last_only: bool, is_train: bool, r=None):
     b = tokens.shape[0]
     step, states = read_rows(memory, slots)  # row i of `tokens` is memory slot slots[i] (None: slot i)
     embed = Embed(c.vocab_size, c.dim, param_dtype(c))
     x = embed(tokens) * c.embedding_multiplier  # [b, T, D]
 
-    def block(x, state):
-        h, state, aux = GAU(c)(x, state, step, lengths, is_train)
+    def block(x, per_layer):
+        state, r_layer = per_layer if r is not None else (per_layer, None)
+        h, state, aux = GAU(c)(x, state, step, lengths, is_train, r_layer)
         return x + h, (state, aux)
 
     stack = hk.layer_stack(2 * c.n_layers, with_per_layer_inputs=True, name="layers")
-    x, (states, aux) = stack(block)(x, states)
+    x, (states, aux) = stack(block)(x, states if r is None else (states, r))  # r: [G, H, M+1, dk]
     memory = write_rows(memory, slots, states, lengths)
 
     if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
@@ -64,9 +70,9 @@ def _decoder(c: ModelConfig, tokens, memory: VQMemory, lengths, slots, last_only
 
 @functools.cache
 def _transformed(config: ModelConfig) -> hk.TransformedWithState:
-    def fn(tokens, memory, lengths, slots, last_only, is_train):
+    def fn(tokens, memory, lengths, slots, last_only, is_train, r=None):
         with hk.experimental.name_scope("decoder"):
-            return _decoder(config, tokens, memory, lengths, slots, last_only, is_train)
+            return _decoder(config, tokens, memory, lengths, slots, last_only, is_train, r)
 
     return hk.without_apply_rng(hk.transform_with_state(fn))
 
@@ -83,8 +89,8 @@ def serving_params(params: hk.Params, codebook: hk.State) -> dict:
 
 
 def split_serving_params(tree: dict) -> tuple[hk.Params, hk.State]:
-    """Inverse of serving_params: (params, codebook)."""
-    params = {k: v for k, v in tree.items() if not k.endswith(CODEBOOK)}
+    """Inverse of serving_params: (params, codebook); prepared position keys are left out."""
+    params = {k: v for k, v in tree.items() if not k.endswith(CODEBOOK) and k != POSITION_KEYS}
     return params, {k: v for k, v in tree.items() if k.endswith(CODEBOOK)}
 
 
@@ -126,14 +132,22 @@ def build_vq_model(config: ModelConfig) -> Model:
     def init(rng) -> dict:
         return serving_params(*init_train(config, rng))
 
+    def prepare(params) -> dict:
+        """The serving tree plus every GAU's position keys, computed once (jit it with shardings)."""
+        w_r = params["decoder/layers/gau/r_proj"]["w"]  # [G, D, H*dk]
+        if "scale" in params["decoder/layers/gau/r_proj"]:  # int8 storage
+            w_r = w_r.astype(jnp.float32) * params["decoder/layers/gau/r_proj"]["scale"][:, None, :]
+        return {**params, POSITION_KEYS: {"r": position_keys(w_r, config)}}
+
     def forward(params, tokens, memory: VQMemory, lengths, slots=None, attend_len: int | None = None,
                 last_only: bool = False):
         """tokens [b, T] int32 placed after memory.step of their rows; lengths [b] real tokens (rows with
         0 are left untouched); slots [b] memory rows (default: row i is slot i). attend_len is ignored:
         the state has no length axis. Returns (logits [b,T,V], or [b,V] if last_only, the memory)."""
         weights, codebook = split_serving_params(params)
+        r = params[POSITION_KEYS]["r"] if POSITION_KEYS in params else None
         (logits, memory, _), _ = transformed.apply(weights, codebook, tokens, memory, lengths, slots, last_only,
-                                                   False)
+                                                   False, r)
         return logits, memory
 
-    return Model(config=config, init=init, forward=forward)
+    return Model(config=config, init=init, forward=forward, prepare=prepare)

@@ -59,7 +59,7 @@ def _time_steps(step, params, memory, batch: int, steps: int, repeats: int) -> t
 
 def bench_vq_model(config: ModelConfig, contexts: list[int], args) -> tuple[dict, int]:
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(0))
+    params = jax.jit(model.prepare)(model.init(jax.random.PRNGKey(0)))  # as the Engine serves it
     memory = init_memory(config, args.slots, None)
     bytes_per_slot = sum(x.nbytes for x in jax.tree_util.tree_leaves(memory)) // args.slots
     prefill = jax.jit(lambda p, t, m, n: model.forward(p, t, m, n, last_only=True), donate_argnums=(2,))

@@ -69,6 +69,10 @@ class Engine:
 
         self.param_shardings = param_shardings(param_shapes(config), self.mesh, config)
         self.params = jax.device_put(params, self.param_shardings)
+        if model.prepare is not None:  # what serving derives from the params once, not in every step
+            shapes = jax.eval_shape(model.prepare, param_shapes(config))
+            self.param_shardings = param_shardings(shapes, self.mesh, config)
+            self.params = jax.jit(model.prepare, out_shardings=self.param_shardings)(self.params)
         self.state_shardings = self._state_shardings()
         self.reset()
         self._compiled: dict = {}
