@@ -12,10 +12,7 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY model ./model
-COPY checkpoint ./checkpoint
-COPY server ./server
-COPY train ./train
+COPY hkserve ./hkserve
 RUN pip install --upgrade pip && pip install "jax[cuda12]>=0.10" . 
 
 RUN useradd --create-home --uid 1000 hkserve && mkdir -p /models && chown hkserve /models

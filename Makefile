@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean
+.PHONY: serve test lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/hkserve serve
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
+lint: $(STAMP)
+	$(BIN)/ruff check hkserve tests
+	$(BIN)/ruff format --check hkserve tests
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -24,8 +24,14 @@ def require_fixtures() -> Path:
 def hkserve(*args: str, home: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess with its own model store."""
     env = {**os.environ, "HKSERVE_HOME": str(home)}
-    result = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "hkserve.cli.main", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and result.returncode:
         raise AssertionError(f"hkserve {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result
@@ -48,7 +54,7 @@ def smollm2_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_home):
     """(store, model info, tokenizer, params) of the pulled SmolLM2."""
-    from checkpoint.store import ModelStore
+    from hkserve.checkpoint.store import ModelStore
 
     store = ModelStore(smollm2_home)
     name = "smollm2-135m-instruct"

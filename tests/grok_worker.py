@@ -8,10 +8,10 @@ import sys
 import jax
 import numpy as np
 
-from checkpoint.grok import load_grok_npz
-from model.memory import init_memory
-from model.sharding import memory_shardings, param_shardings, parse_mesh
-from model.transformer import build_model, param_shapes
+from hkserve.checkpoint.grok import load_grok_npz
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.memory import init_memory
+from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 
 def grok_logits(model, params, tokens, prefill: int, shardings=None):
@@ -29,7 +29,7 @@ def grok_logits(model, params, tokens, prefill: int, shardings=None):
     first, mem = forward(params, padded, memory(16), np.full(b, prefill, np.int32), None, 0, False)
     steps = [np.asarray(first[:, :prefill])]
     for i in range(prefill, t):
-        logits, mem = forward(params, tokens[:, i:i + 1], mem, np.ones(b, np.int32), None, 16, False)
+        logits, mem = forward(params, tokens[:, i : i + 1], mem, np.ones(b, np.int32), None, 16, False)
         steps.append(np.asarray(logits))
     return np.asarray(full), np.concatenate(steps, axis=1)
 

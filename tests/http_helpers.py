@@ -9,10 +9,10 @@ import threading
 import time
 
 import uvicorn
-
 from conftest import require_fixtures
-from server.engine import Token
-from server.runner import Event, Overloaded, RequestStream, RunnerStats
+
+from hkserve.engine.engine import Token
+from hkserve.engine.runner import Event, Overloaded, RequestStream, RunnerStats
 
 
 class LiveServer:
@@ -130,6 +130,6 @@ def sse_events(response) -> list:
     out = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out

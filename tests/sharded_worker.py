@@ -9,12 +9,12 @@ import threading
 import jax
 import numpy as np
 
-from model.config import tiny_config
-from model.memory import init_memory
-from model.sharding import memory_shardings, param_shardings, parse_mesh
-from model.transformer import build_model, param_shapes
-from server.engine import Engine
-from server.runner import InferenceRunner, Request
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.config import tiny_config
+from hkserve.model.memory import init_memory
+from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
 
@@ -26,11 +26,11 @@ def mesh_for(name: str):
 def prompt_logits(model, params, prompts, mesh) -> np.ndarray:
     """Last-position logits of each prompt, computed with sharded params and memory. [N, V]"""
     n = len(prompts)
-    prompts = prompts + prompts[:(-n) % mesh.shape["data"]]  # rows divide over the data axis
+    prompts = prompts + prompts[: (-n) % mesh.shape["data"]]  # rows divide over the data axis
     width = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     memory = jax.device_put(init_memory(model.config, len(prompts), width), memory_shardings(model.config, mesh))
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     logits, _ = jax.jit(model.forward, static_argnums=(5, 6))(params, tokens, memory, lengths, None, width, True)
@@ -57,7 +57,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
         config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
         host_params = build_model(config).init(jax.random.PRNGKey(3))
         if kind == "tiny-int8":  # int8 values and their scales sharded by the same rules
-            from checkpoint.quantize import convert_params
+            from hkserve.checkpoint.quantize import convert_params
 
             config, host_params = convert_params(jax.tree_util.tree_map(np.asarray, host_params), config, "int8")
         model = build_model(config)
@@ -67,12 +67,13 @@ def main(kind: str, out: str, home: str | None = None) -> None:
     else:
         import json
 
-        from checkpoint.store import ModelStore
+        from hkserve.checkpoint.store import ModelStore
 
         store = ModelStore(home)
         info = store.info("smollm2-135m-instruct")
         config, model = info.config, build_model(info.config)
-        cases = json.load(open(sys.argv[4]))["cases"]
+        with open(sys.argv[4]) as f:
+            cases = json.load(f)["cases"]
         prompts = [c["prompt_ids"] for c in cases]
         max_tokens, stop_ids = 32, store.tokenizer(info.name).stop_ids
     results = {}

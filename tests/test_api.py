@@ -6,9 +6,9 @@ import time
 
 import httpx
 import pytest
-
 from http_helpers import FakeRunner, LiveServer, sse_events, validate
-from server.api import create_app
+
+from hkserve.api.app import create_app
 
 SCRIPT_TEXT = "Hello world! The quick brown fox 🌍 jumps over the lazy dog."
 MODEL = "fake-model"
@@ -45,8 +45,17 @@ def test_completion_and_chat_bodies_validate_and_end_at_eos(serve):
     validate(r.json(), "CreateCompletionResponse")
     choice = r.json()["choices"][0]
     assert choice["text"] == SCRIPT_TEXT and choice["finish_reason"] == "stop"
-    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                              "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     validate(r.json(), "CreateChatCompletionResponse")
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["role"] == "assistant"
@@ -62,8 +71,12 @@ def test_stop_strings_across_token_boundaries_never_leak(serve, stop):
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 100, "stop": [stop, "zzz"]})
     assert r.json()["choices"][0]["text"] == expected
     assert r.json()["choices"][0]["finish_reason"] == "stop"
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stop": stop, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stop": stop, "stream": True},
+    ) as resp:
         events = sse_events(resp)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -77,9 +90,18 @@ def test_stop_strings_across_token_boundaries_never_leak(serve, stop):
 
 def test_stream_is_utf8_safe_and_usage_comes_last(serve, tokenizer):
     server, _ = serve()
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=30, json={
-            "prompt": "hi", "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True},
-            "logprobs": 1}) as resp:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=30,
+        json={
+            "prompt": "hi",
+            "max_tokens": 100,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 1,
+        },
+    ) as resp:
         events = sse_events(resp)
     chunks = events[:-1]
     for chunk in chunks:
@@ -88,8 +110,11 @@ def test_stream_is_utf8_safe_and_usage_comes_last(serve, tokenizer):
     assert all("\ufffd" not in t for t in texts)
     assert "".join(texts) == SCRIPT_TEXT
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": len(tokenizer.encode(SCRIPT_TEXT)) + 1,
-                                   "total_tokens": 2 + len(tokenizer.encode(SCRIPT_TEXT))}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": len(tokenizer.encode(SCRIPT_TEXT)) + 1,
+        "total_tokens": 2 + len(tokenizer.encode(SCRIPT_TEXT)),
+    }
     assert all("usage" not in c for c in chunks[:-1])  # the completion schema has no null usage
 
 
@@ -136,13 +161,22 @@ def test_context_length_error_states_both_numbers(serve):
 
 def test_invalid_json_tools_and_unknown_fields(serve):
     server, _ = serve()
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     validate(r.json(), "ErrorResponse")
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    )
     assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
-                                              "some_vendor_field": 1, "user": "u1"})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "some_vendor_field": 1, "user": "u1"},
+    )
     assert r.status_code == 200
 
 
@@ -211,11 +245,18 @@ def test_metrics_expose_latencies_gauges_and_counters(serve):
     server, _ = serve()
     post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})
     text = httpx.get(server.url + "/metrics").text
-    for name in ("hkserve_time_to_first_token_seconds_count 1.0", "hkserve_inter_token_latency_seconds_count 2.0",
-                 "hkserve_e2e_request_latency_seconds_count 1.0", "hkserve_queue_time_seconds_count 1.0",
-                 "hkserve_requests_running 0.0", "hkserve_requests_waiting 0.0", "hkserve_slots_total 4.0",
-                 "hkserve_prompt_tokens_total 1.0", "hkserve_generation_tokens_total 3.0",
-                 'hkserve_requests_total{finish_reason="length"} 1.0'):
+    for name in (
+        "hkserve_time_to_first_token_seconds_count 1.0",
+        "hkserve_inter_token_latency_seconds_count 2.0",
+        "hkserve_e2e_request_latency_seconds_count 1.0",
+        "hkserve_queue_time_seconds_count 1.0",
+        "hkserve_requests_running 0.0",
+        "hkserve_requests_waiting 0.0",
+        "hkserve_slots_total 4.0",
+        "hkserve_prompt_tokens_total 1.0",
+        "hkserve_generation_tokens_total 3.0",
+        'hkserve_requests_total{finish_reason="length"} 1.0',
+    ):
         assert name in text, name
 
 

@@ -9,12 +9,12 @@ import time
 import httpx
 import openai
 import pytest
-
 from http_helpers import LiveServer, sse_events, validate
-from model.transformer import build_model
-from server.api import create_app
-from server.engine import Engine
-from server.runner import InferenceRunner
+
+from hkserve.api.app import create_app
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner
+from hkserve.model.build import build_model
 
 NAME = "smollm2-135m-instruct"
 
@@ -89,16 +89,32 @@ def test_stop_string_spanning_tokens_ends_the_text_without_appearing(live):
 
 def test_every_stream_chunk_models_and_errors_validate(live):
     server, _, _, _ = live
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
-            "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "stream": True,
-            "logprobs": True, "top_logprobs": 3, "n": 2, "stream_options": {"include_usage": True}}) as resp:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 12,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    ) as resp:
         events = sse_events(resp)
     assert events[-1] == "[DONE]"
     for chunk in events[:-1]:
         validate(chunk, "CreateChatCompletionStreamResponse")
     assert events[-2]["usage"]["completion_tokens"] > 0 and events[-2]["choices"] == []
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-            "model": NAME, "prompt": "Hi", "max_tokens": 8, "stream": True, "logprobs": 2}) as resp:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": NAME, "prompt": "Hi", "max_tokens": 8, "stream": True, "logprobs": 2},
+    ) as resp:
         for chunk in sse_events(resp)[:-1]:
             validate(chunk, "CreateCompletionResponse", streamed=True)
     validate(httpx.get(server.url + "/v1/models").json(), "ListModelsResponse")
@@ -141,8 +157,13 @@ def test_16_concurrent_streams_and_50_random_disconnects_leave_the_server_correc
     assert [results[i] for i in range(16)] == [case["text"]] * 16
 
     rng = random.Random(3)
-    threads = [threading.Thread(target=_stream_text, args=(server.url, [{"role": "user", "content": f"Story {i}"}], 64,
-                                                           rng.randrange(1, 12))) for i in range(50)]
+    threads = [
+        threading.Thread(
+            target=_stream_text,
+            args=(server.url, [{"role": "user", "content": f"Story {i}"}], 64, rng.randrange(1, 12)),
+        )
+        for i in range(50)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -14,9 +14,32 @@ def test_bench_engine_json_on_tiny_model(tmp_path):
     hkserve("convert", str(require_fixtures() / "hf" / "tiny-llama-tied"), "--name", "tiny", "--quiet", home=tmp_path)
     env = {**os.environ, "HKSERVE_HOME": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "engine", "--model", "tiny", "--slots", "1,2", "--steps", "3",
-         "--hf-batches", "1", "--repeats", "1", "--bandwidth-mb", "256", "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "hkserve.cli.main",
+            "bench",
+            "engine",
+            "--model",
+            "tiny",
+            "--slots",
+            "1,2",
+            "--steps",
+            "3",
+            "--hf-batches",
+            "1",
+            "--repeats",
+            "1",
+            "--bandwidth-mb",
+            "256",
+            "--json",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -12,14 +12,14 @@ import jax
 import numpy as np
 import pytest
 import sentencepiece as spm
+from conftest import hkserve, require_fixtures
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from checkpoint.gguf_import import load_gguf, open_gguf
-from checkpoint.store import ModelStore
-from checkpoint.tokenizer import Tokenizer
-from conftest import hkserve, require_fixtures
-from model.memory import init_memory
-from model.transformer import build_model
+from hkserve.checkpoint.gguf_import import load_gguf, open_gguf
+from hkserve.checkpoint.store import ModelStore
+from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.model.build import build_model
+from hkserve.model.memory import init_memory
 
 TEXT = [
     "In the beginning God created the heaven and the earth.",
@@ -36,8 +36,14 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def train_sentencepiece(vocab_size: int) -> spm.SentencePieceProcessor:
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model, vocab_size=vocab_size,
-                                   model_type="bpe", hard_vocab_limit=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
@@ -113,7 +119,9 @@ def test_unpermuted_gguf_reproduces_transformers_logits(gguf_file):
     assert config.tie_embeddings and (config.n_heads, config.n_kv_heads) == (4, 2)
     model = build_model(config)
     ids = np.asarray(reference["input_ids"], np.int32)
-    logits, _ = jax.jit(model.forward)(params, ids, init_memory(config, 2, ids.shape[1]), np.full(2, ids.shape[1], np.int32))
+    logits, _ = jax.jit(model.forward)(
+        params, ids, init_memory(config, 2, ids.shape[1]), np.full(2, ids.shape[1], np.int32)
+    )
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference["logits"]), atol=1e-4, rtol=0)
 
 
@@ -125,8 +133,9 @@ def test_quantized_tensors_are_dequantized_like_gguf(tmp_path, sp):
     from safetensors.numpy import load_file
 
     up = load_file(str(hf_dir / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]
-    expected = gguf.quants.dequantize(gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q8_0),
-                                      gguf.GGMLQuantizationType.Q8_0)
+    expected = gguf.quants.dequantize(
+        gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    )
     assert next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight").tensor_type.name == "Q8_0"
     np.testing.assert_array_equal(params["decoder/layers/mlp/up_proj"]["w"][1], expected.T)
     assert not np.array_equal(expected, up)  # quantization really happened
@@ -143,7 +152,11 @@ def test_sentencepiece_tokenizer_rebuilt_from_gguf_metadata(gguf_file, sp, tmp_p
     tokenizer.save(tmp_path / "tok")
     again = Tokenizer.load(tmp_path / "tok")
     assert again.encode("the quick brown fox") == tokenizer.encode("the quick brown fox")
-    assert (again.bos_id, again.eos_id, again.chat_template) == (tokenizer.bos_id, tokenizer.eos_id, tokenizer.chat_template)
+    assert (again.bos_id, again.eos_id, again.chat_template) == (
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        tokenizer.chat_template,
+    )
 
 
 def _store_snapshot(home) -> list[str]:

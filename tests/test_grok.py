@@ -9,12 +9,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-
-from checkpoint.grok import load_grok_npz
 from conftest import REPO, require_fixtures
 from grok_worker import grok_logits
-from model.config import grok_config
-from model.transformer import build_model
+
+from hkserve.checkpoint.grok import load_grok_npz
+from hkserve.model.build import build_model
+from hkserve.model.config import grok_config
 
 ATOL = 3e-5  # the fixture README's tolerance: catches every deviation it lists
 
@@ -50,8 +50,13 @@ def test_sharded_meshes_match_grok(fixture, tmp_path):
     path, _, _, data = fixture
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
     out = tmp_path / "grok.npz"
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "grok_worker.py"), str(path), str(out)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "grok_worker.py"), str(path), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = np.load(out)
     for mesh in ("1x1", "1x8", "2x4"):

@@ -7,14 +7,14 @@ import json
 import jax
 import numpy as np
 import pytest
-
-from checkpoint.hf import config_from_hf, load_hf
-from checkpoint.params import ImportFormatError
 from conftest import require_fixtures
-from model.memory import init_memory
-from model.transformer import build_model
-from server.engine import Engine
-from server.runner import InferenceRunner, Request
+
+from hkserve.checkpoint.hf import config_from_hf, load_hf
+from hkserve.checkpoint.params import ImportFormatError
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
+from hkserve.model.memory import init_memory
 
 CHECKPOINTS = ["tiny-llama-tied", "tiny-llama-untied", "tiny-mixtral"]
 

@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.config import tiny_config
-from model.memory import init_memory, insert_slot
-from model.transformer import build_model
-from server.engine import Engine
-from server.runner import InferenceRunner, Request
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
+from hkserve.model.config import tiny_config
+from hkserve.model.memory import init_memory, insert_slot
 
 TOL = 1e-5
 BUCKETS = (8, 16, 32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_forward(model):
     return jax.jit(model.forward)
 
@@ -30,10 +30,10 @@ def full_logits(model, params, seq, pad_to: int = 64) -> np.ndarray:
     Padded to a fixed length so every call reuses one compile; causal attention keeps the padding
     from touching the real positions."""
     tokens = np.zeros((1, pad_to), np.int32)
-    tokens[0, :len(seq)] = seq
+    tokens[0, : len(seq)] = seq
     memory = init_memory(model.config, 1, pad_to)
     logits, _ = _jitted_forward(model)(params, tokens, memory, jnp.asarray([len(seq)], jnp.int32))
-    return np.asarray(logits[0, :len(seq)])
+    return np.asarray(logits[0, : len(seq)])
 
 
 def bucket_for(n: int) -> int:
@@ -55,7 +55,9 @@ def test_cached_decode_equals_full_recompute_with_slots_at_different_positions(e
     for slot, (seq, n) in enumerate(zip(seqs, prompt_lens)):
         tokens = np.zeros((1, bucket_for(n)), np.int32)
         tokens[0, :n] = seq[:n]
-        logits, memory = forward(params, tokens, memory, np.asarray([n], np.int32), np.asarray([slot], np.int32), 0, True)
+        logits, memory = forward(
+            params, tokens, memory, np.asarray([n], np.int32), np.asarray([slot], np.int32), 0, True
+        )
         np.testing.assert_allclose(logits[0], full_logits(model, params, seq[:n])[n - 1], atol=TOL)
     np.testing.assert_array_equal(memory.step, prompt_lens)
 
@@ -63,7 +65,7 @@ def test_cached_decode_equals_full_recompute_with_slots_at_different_positions(e
         tokens = np.asarray([[seq[n + step]] for seq, n in zip(seqs, prompt_lens)], np.int32)
         logits, memory = forward(params, tokens, memory, np.ones(len(seqs), np.int32), None, 32, False)
         for slot, (seq, n) in enumerate(zip(seqs, prompt_lens)):
-            reference = full_logits(model, params, seq[:n + step + 1])[-1]
+            reference = full_logits(model, params, seq[: n + step + 1])[-1]
             np.testing.assert_allclose(logits[slot, 0], reference, atol=TOL, err_msg=f"slot {slot} step {step}")
 
 
@@ -107,7 +109,7 @@ def test_chunked_prefill_over_three_buckets_equals_full_recompute():
     seq = list(prompt)
     for _ in range(8):
         seq.append(int(np.argmax(full_logits(model, params, seq)[-1])))
-    assert got == seq[len(prompt):]
+    assert got == seq[len(prompt) :]
 
 
 def test_compiled_size_does_not_grow_with_depth():

@@ -14,7 +14,6 @@ import types
 
 import httpx
 import pytest
-
 from conftest import REPO
 from test_serve import free_port
 
@@ -22,15 +21,37 @@ NAME = "smollm2-135m-instruct"
 
 
 def _start_hosts(home, port: int) -> list[subprocess.Popen]:
-    env = {**os.environ, "HKSERVE_HOME": str(home), "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           # host id, host count and mesh of the hosts by environment, the rest by flags: both work
-           "HKSERVE_NUM_HOSTS": "2", "HKSERVE_HOSTS_MESH": "2x1", "HKSERVE_CONTROL_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "HKSERVE_HOME": str(home),
+        "PYTHONPATH": str(REPO),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        # host id, host count and mesh of the hosts by environment, the rest by flags: both work
+        "HKSERVE_NUM_HOSTS": "2",
+        "HKSERVE_HOSTS_MESH": "2x1",
+        "HKSERVE_CONTROL_PORT": str(free_port()),
+    }
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for host in (0, 1):
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--slots", "8", "--max-len", "256",
-               "--mesh", "1x4", "--coordinator", coordinator, "--host-id", str(host)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hkserve.cli.main",
+            "serve",
+            "--port",
+            str(port),
+            "--slots",
+            "8",
+            "--max-len",
+            "256",
+            "--mesh",
+            "1x4",
+            "--coordinator",
+            coordinator,
+            "--host-id",
+            str(host),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -173,11 +194,16 @@ def test_killing_host_1_mid_stream_errors_the_client_and_host_0_exits_naming_it(
 
 
 def test_host_group_from_flags_and_environment(monkeypatch):
-    from server.multihost import HostGroup
+    from hkserve.multihost.hosts import HostGroup
 
     args = types.SimpleNamespace(coordinator=None, num_hosts=None, host_id=None, hosts_mesh=None)
-    for var in ("HKSERVE_COORDINATOR", "HKSERVE_NUM_HOSTS", "HKSERVE_HOST_ID", "HKSERVE_HOSTS_MESH",
-                "HKSERVE_CONTROL_PORT"):
+    for var in (
+        "HKSERVE_COORDINATOR",
+        "HKSERVE_NUM_HOSTS",
+        "HKSERVE_HOST_ID",
+        "HKSERVE_HOSTS_MESH",
+        "HKSERVE_CONTROL_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert HostGroup.from_args(args) is None  # one host
     monkeypatch.setenv("HKSERVE_COORDINATOR", "10.0.0.1:7000")

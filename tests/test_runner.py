@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import tiny_config
-from model.memory import init_memory
-from model.transformer import build_model
-from server.engine import ContextLengthError, Engine
-from server.runner import InferenceRunner, Overloaded, Request
+from hkserve.engine.engine import ContextLengthError, Engine
+from hkserve.engine.runner import InferenceRunner, Overloaded, Request
+from hkserve.model.build import build_model
+from hkserve.model.config import tiny_config
+from hkserve.model.memory import init_memory
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
@@ -36,8 +36,9 @@ def ids(tokens) -> list[int]:
 
 
 def model_logprobs(prompt) -> np.ndarray:
-    logits, _ = MODEL.forward(PARAMS, np.asarray([prompt], np.int32), init_memory(CONFIG, 1, len(prompt)),
-                              np.asarray([len(prompt)], np.int32))
+    logits, _ = MODEL.forward(
+        PARAMS, np.asarray([prompt], np.int32), init_memory(CONFIG, 1, len(prompt)), np.asarray([len(prompt)], np.int32)
+    )
     return np.asarray(jax.nn.log_softmax(logits[0, -1]))
 
 
@@ -53,11 +54,25 @@ def test_greedy_and_seeded_tokens_are_identical_alone_or_among_other_requests(ru
         time.sleep(delay)
         results[name] = ids(runner.generate(request))
 
-    threads = [threading.Thread(target=run, args=(f"noise{i}", Request(
-        [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 200))], rng.randrange(1, 30),
-        {"temperature": rng.choice([0.0, 1.0]), "seed": i}), rng.uniform(0, 0.3))) for i in range(12)]
-    threads += [threading.Thread(target=run, args=("greedy", Request(PROMPT, 24), 0.05)),
-                threading.Thread(target=run, args=("seeded", Request(PROMPT[:4], 24, seeded.sampling), 0.12))]
+    threads = [
+        threading.Thread(
+            target=run,
+            args=(
+                f"noise{i}",
+                Request(
+                    [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 200))],
+                    rng.randrange(1, 30),
+                    {"temperature": rng.choice([0.0, 1.0]), "seed": i},
+                ),
+                rng.uniform(0, 0.3),
+            ),
+        )
+        for i in range(12)
+    ]
+    threads += [
+        threading.Thread(target=run, args=("greedy", Request(PROMPT, 24), 0.05)),
+        threading.Thread(target=run, args=("seeded", Request(PROMPT[:4], 24, seeded.sampling), 0.12)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -82,7 +97,9 @@ def test_min_p_filters_unlikely_tokens(runner):
     """min_p applies to the temperature-scaled distribution (as in vLLM and transformers)."""
     logprobs = model_logprobs(PROMPT)
     allowed = set(np.flatnonzero(logprobs / 2.0 >= logprobs.max() / 2.0 + np.log(0.5)))
-    firsts = {runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "min_p": 0.5, "seed": s}))[0].id for s in range(30)}
+    firsts = {
+        runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "min_p": 0.5, "seed": s}))[0].id for s in range(30)
+    }
     assert firsts <= allowed
     unfiltered = {runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "seed": s}))[0].id for s in range(30)}
     assert not unfiltered <= allowed
@@ -119,7 +136,7 @@ def test_top_logprobs_match_log_softmax_and_sum_to_at_most_one(runner):
 def test_stop_ids_and_max_tokens_finish_with_the_right_reason(runner):
     greedy = ids(runner.generate(Request(PROMPT, 10)))
     events = list(runner.submit(Request(PROMPT, 10, stop_ids=(greedy[3],))))
-    assert [e.token.id for e in events if e.token] == greedy[:greedy.index(greedy[3]) + 1]
+    assert [e.token.id for e in events if e.token] == greedy[: greedy.index(greedy[3]) + 1]
     assert events[-1].finish_reason == "stop"
     events = list(runner.submit(Request(PROMPT, 5)))
     assert len([e for e in events if e.token]) == 5 and events[-1].finish_reason == "length"
@@ -154,4 +171,4 @@ def test_long_prompt_is_prefilled_in_chunks(runner):
     seq = list(prompt)
     for _ in range(6):
         seq.append(int(np.argmax(model_logprobs(seq))))
-    assert ids(runner.generate(Request(prompt, 6))) == seq[len(prompt):]
+    assert ids(runner.generate(Request(prompt, 6))) == seq[len(prompt) :]

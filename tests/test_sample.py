@@ -22,24 +22,61 @@ def read_jsonl(path) -> list[dict]:
 
 
 def test_golden_cases_as_jsonl_reproduce_the_reference_texts(tmp_path, smollm2_home, golden):
-    rows = [{"id": c["name"], **({"messages": c["messages"]} if "messages" in c else {"prompt": c["prompt"]})}
-            for c in golden["cases"]]
+    rows = [
+        {"id": c["name"], **({"messages": c["messages"]} if "messages" in c else {"prompt": c["prompt"]})}
+        for c in golden["cases"]
+    ]
     write_jsonl(tmp_path / "in.jsonl", rows)
-    hkserve("sample", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-            "--max-tokens", "32", "--slots", "4", "--max-len", "256", "--quiet", home=smollm2_home)
+    hkserve(
+        "sample",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--max-tokens",
+        "32",
+        "--slots",
+        "4",
+        "--max-len",
+        "256",
+        "--quiet",
+        home=smollm2_home,
+    )
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [o["id"] for o in out] == [c["name"] for c in golden["cases"]]
     for o, c in zip(out, golden["cases"]):
         assert o["text"] == c["text"], c["name"]
-        assert o["usage"] == {"prompt_tokens": len(c["prompt_ids"]), "completion_tokens": len(c["greedy_ids"]),
-                              "total_tokens": len(c["prompt_ids"]) + len(c["greedy_ids"])}
+        assert o["usage"] == {
+            "prompt_tokens": len(c["prompt_ids"]),
+            "completion_tokens": len(c["greedy_ids"]),
+            "total_tokens": len(c["prompt_ids"]) + len(c["greedy_ids"]),
+        }
         assert o["finish_reason"] == ("stop" if c["greedy_ids"][-1] == 2 else "length")
 
 
 def _sample_cmd(inp, out, home):
     env = {**os.environ, "HKSERVE_HOME": str(home), "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-m", "server.cli", "sample", "--model", "tiny", "--input", str(inp), "--output", str(out),
-            "--max-tokens", "40", "--temperature", "0.9", "--seed", "11", "--slots", "2", "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "hkserve.cli.main",
+        "sample",
+        "--model",
+        "tiny",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "11",
+        "--slots",
+        "2",
+        "--quiet",
+    ]
     return args, env
 
 
@@ -70,11 +107,29 @@ def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(t
 
 
 def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # noqa: F811
-    rows = [{"id": "ok1", "prompt": "hello"}, "{not json", {"id": "noprompt"},
-            {"id": "long", "prompt": "word " * 400}, {"id": "ok2", "messages": [{"role": "user", "content": "hi"}]}]
+    rows = [
+        {"id": "ok1", "prompt": "hello"},
+        "{not json",
+        {"id": "noprompt"},
+        {"id": "long", "prompt": "word " * 400},
+        {"id": "ok2", "messages": [{"role": "user", "content": "hi"}]},
+    ]
     write_jsonl(tmp_path / "in.jsonl", rows)
-    hkserve("sample", "--model", "tiny", "--input", str(tmp_path / "in.jsonl"), "--output",
-            str(tmp_path / "out.jsonl"), "--max-tokens", "8", "--slots", "2", "--quiet", home=tiny_home)
+    hkserve(
+        "sample",
+        "--model",
+        "tiny",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--max-tokens",
+        "8",
+        "--slots",
+        "2",
+        "--quiet",
+        home=tiny_home,
+    )
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [o["id"] for o in out] == ["ok1", "line 2", "noprompt", "long", "ok2"]
     assert "text" in out[0] and "text" in out[4] and "error" not in out[0]

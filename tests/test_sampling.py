@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.sampling import make_settings, sample
+from hkserve.model.sampling import make_settings, sample
 
 V = 50
 
@@ -20,7 +20,9 @@ def logits_batch(rows: int, seed: int = 0, scale: float = 3.0) -> jnp.ndarray:
 
 def draw(logits, settings_rows, positions=None):
     positions = jnp.zeros(logits.shape[0], jnp.int32) if positions is None else positions
-    return _sample(logits, jax.tree_util.tree_map(jnp.asarray, make_settings(settings_rows, logits.shape[-1])), positions, 5)
+    return _sample(
+        logits, jax.tree_util.tree_map(jnp.asarray, make_settings(settings_rows, logits.shape[-1])), positions, 5
+    )
 
 
 def test_temperature_zero_is_greedy_and_logprobs_are_log_softmax():
@@ -50,8 +52,12 @@ def test_top_k_one_and_tiny_top_p_equal_greedy():
     greedy = np.argmax(logits, -1)
     for pos in range(5):
         positions = jnp.full(6, pos, jnp.int32)
-        np.testing.assert_array_equal(draw(logits, [{"temperature": 1.5, "top_k": 1, "seed": 7}] * 6, positions).token, greedy)
-        np.testing.assert_array_equal(draw(logits, [{"temperature": 1.5, "top_p": 1e-6, "seed": 7}] * 6, positions).token, greedy)
+        np.testing.assert_array_equal(
+            draw(logits, [{"temperature": 1.5, "top_k": 1, "seed": 7}] * 6, positions).token, greedy
+        )
+        np.testing.assert_array_equal(
+            draw(logits, [{"temperature": 1.5, "top_p": 1e-6, "seed": 7}] * 6, positions).token, greedy
+        )
 
 
 def test_min_p_and_top_k_restrict_the_support():

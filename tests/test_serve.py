@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import REPO, hkserve, require_fixtures
 from test_gguf import train_sentencepiece, write_llama_gguf
 
@@ -35,8 +34,13 @@ def test_health_turns_ready_and_sigterm_lets_running_streams_finish(tiny_home):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HKSERVE_HOME": str(tiny_home), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--port", str(port),
-                             "--slots", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", "tiny", "--port", str(port), "--slots", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         statuses = []
         deadline = time.time() + 120
@@ -49,8 +53,14 @@ def test_health_turns_ready_and_sigterm_lets_running_streams_finish(tiny_home):
                 break
             time.sleep(0.1)
         assert statuses[-1] == 200, statuses
-        body = {"model": "tiny", "prompt": "In the beginning", "max_tokens": 150, "stream": True,
-                "temperature": 0, "stop": ["never-appears"]}
+        body = {
+            "model": "tiny",
+            "prompt": "In the beginning",
+            "max_tokens": 150,
+            "stream": True,
+            "temperature": 0,
+            "stop": ["never-appears"],
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))

@@ -8,19 +8,24 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO, require_fixtures
-from model.config import tiny_config
-from model.sharding import param_specs, parse_mesh
-from model.transformer import param_shapes
+
+from hkserve.model.build import param_shapes
+from hkserve.model.config import tiny_config
+from hkserve.model.sharding import param_specs, parse_mesh
 
 MESHES = ["1x8", "2x4", "8x1"]
 
 
 def run_worker(*args: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_worker.py"), *args], env=env,
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "sharded_worker.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return dict(np.load(args[1]))
 
@@ -36,8 +41,9 @@ def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
 
 
 def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):
-    results = run_worker("smollm2", str(tmp_path / "smollm2.npz"), str(smollm2_home),
-                         str(require_fixtures() / "smollm2_golden.json"))
+    results = run_worker(
+        "smollm2", str(tmp_path / "smollm2.npz"), str(smollm2_home), str(require_fixtures() / "smollm2_golden.json")
+    )
     assert_meshes_agree(results)
     for row, case in enumerate(golden["cases"]):
         got = [t for t in results["1x1/tokens"][row].tolist() if t >= 0]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import hkserve
-from model.transformer import build_model
-from server.engine import Engine
-from server.runner import InferenceRunner, Request
+
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
 
 LOGPROB_TOL = 2e-3
 
@@ -84,8 +84,9 @@ def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smol
     import threading
 
     _, info, tokenizer, params = smollm2
-    runner = InferenceRunner(Engine(build_model(info.config), params, slots=4, max_len=256,
-                                    prefill_buckets=(16, 64)), max_queue=256).start(warmup=False)
+    runner = InferenceRunner(
+        Engine(build_model(info.config), params, slots=4, max_len=256, prefill_buckets=(16, 64)), max_queue=256
+    ).start(warmup=False)
     rng = random.Random(1)
     try:
         streams = []

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from server.detokenize import IncrementalDetokenizer
+from hkserve.engine.detokenize import IncrementalDetokenizer
 
 SAMPLES = ["Hello 🌍! 你好, naïve café — ok?", "emoji 👩‍👩‍👧 family", "  spaces\n\tand tabs  ", "1234567890"]
 
 
 def test_control_tokens_are_single_ids_and_skipped_when_decoding(smollm2):
     tokenizer = smollm2[2]
-    assert tokenizer.encode("<|im_start|>user") [0] == 1
+    assert tokenizer.encode("<|im_start|>user")[0] == 1
     assert tokenizer.stop_ids == (2,)
     ids = tokenizer.encode("<|im_start|>hi<|im_end|>")
     assert tokenizer.decode(ids) == "hi"

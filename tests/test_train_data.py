@@ -4,13 +4,13 @@ every evaluation target scored exactly once)."""
 from __future__ import annotations
 
 import numpy as np
-
-from checkpoint.tokenizer import Tokenizer
-from server.cli import main as hkserve_main
-from train.config import DataConfig
-from train.data import TrainStream, encode, eval_sequences, read_splits
-from train.vocab import BOS_ID, byte_tokenizer, sentencepiece_tokenizer, token_byte_lengths
 from train_helpers import GENESIS
+
+from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.cli.main import main as hkserve_main
+from hkserve.train.config import DataConfig
+from hkserve.train.data import TrainStream, encode, eval_sequences, read_splits
+from hkserve.train.vocab import BOS_ID, byte_tokenizer, sentencepiece_tokenizer, token_byte_lengths
 
 ODD = "  two  spaces,\ttab, naïve café — 日本語\n\nend "  # whitespace runs and non-ASCII must survive
 
@@ -33,8 +33,12 @@ def test_byte_tokenizer_is_utf8_and_lossless(tmp_path):
 def test_train_vocab_writes_a_lossless_sentencepiece_model(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(GENESIS * 3)
-    assert hkserve_main(["train-vocab", "--input", str(corpus), "--vocab-size", "400",
-                      "--output", str(tmp_path / "vocab")]) == 0
+    assert (
+        hkserve_main(
+            ["train-vocab", "--input", str(corpus), "--vocab-size", "400", "--output", str(tmp_path / "vocab")]
+        )
+        == 0
+    )
     assert "400 pieces" in capsys.readouterr().out
     tok = sentencepiece_tokenizer(tmp_path / "vocab.model")
     for text in (GENESIS, ODD):
@@ -49,8 +53,10 @@ def test_train_vocab_writes_a_lossless_sentencepiece_model(tmp_path, capsys):
 def test_train_vocab_reports_an_impossible_size(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(GENESIS)
-    assert hkserve_main(["train-vocab", "--input", str(corpus), "--vocab-size", "100000",
-                      "--output", str(tmp_path / "v")]) == 1
+    assert (
+        hkserve_main(["train-vocab", "--input", str(corpus), "--vocab-size", "100000", "--output", str(tmp_path / "v")])
+        == 1
+    )
     assert "Vocabulary size too high" in capsys.readouterr().err
 
 

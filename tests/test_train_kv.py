@@ -11,12 +11,14 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from server.cli import main as hkserve_main
-from train.vocab import train_sentencepiece
 from train_helpers import read_metrics, write_run, write_texts
 
-REPORT = re.compile(r"(\w+) @ step (\d+): loss ([\d.]+) nats/token, ([\d.]+) bits/byte over (\d+) tokens \((\d+) bytes\)")
+from hkserve.cli.main import main as hkserve_main
+from hkserve.train.vocab import train_sentencepiece
+
+REPORT = re.compile(
+    r"(\w+) @ step (\d+): loss ([\d.]+) nats/token, ([\d.]+) bits/byte over (\d+) tokens \((\d+) bytes\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,8 @@ def test_checkpoints_keep_the_last_two_and_the_best(kv_run):
 
 
 def test_the_best_checkpoint_outlives_the_last_k(tmp_path):
-    from train.checkpoints import Checkpoints
-    from train.step import TrainState
+    from hkserve.train.checkpoints import Checkpoints
+    from hkserve.train.step import TrainState
 
     checkpoints = Checkpoints(tmp_path / "ck", keep=2)
     for step, val_loss in zip(range(1, 6), [5.0, 1.0, 4.0, 3.0, 2.0]):
@@ -88,8 +90,9 @@ def test_validation_and_test_report_bits_per_byte(kv_run, capsys):
         assert tokens < n_bytes  # SentencePiece merges: fewer tokens than bytes
         assert bpb == pytest.approx(loss * tokens / (math.log(2) * n_bytes), rel=1e-3)
     # in training, validation scored only the first batch group: the same first tokens
-    _, step, loss, _, tokens, _ = _report(capsys, "validation", "--config", str(config), "--checkpoint", "30",
-                                          "--batches", "1")
+    _, step, loss, _, tokens, _ = _report(
+        capsys, "validation", "--config", str(config), "--checkpoint", "30", "--batches", "1"
+    )
     assert (step, tokens) == (30, validation[30]["tokens"])
     assert loss == pytest.approx(validation[30]["loss"], abs=1e-4)
 
@@ -101,8 +104,8 @@ def test_evaluation_names_a_missing_checkpoint(kv_run, capsys):
 
 
 def test_export_is_servable_from_the_store(kv_run):
-    from checkpoint.store import ModelStore
-    from train.session import Session
+    from hkserve.checkpoint.store import ModelStore
+    from hkserve.train.session import Session
 
     root, config, home = kv_run
     store = ModelStore(home)

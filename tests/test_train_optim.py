@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from train.config import OptimizerConfig
-from train.optim import decay_mask, make_optimizer, make_schedule
+from hkserve.train.config import OptimizerConfig
+from hkserve.train.optim import decay_mask, make_optimizer, make_schedule
 
 PARAMS = {  # the shapes and names of a Haiku tree: stacked layers, norms, biases
     "decoder/embed": {"embeddings": jnp.ones((10, 4))},
@@ -49,11 +49,14 @@ def test_adafactor_steps():
     assert all(bool(jnp.all(jnp.isfinite(u) & (u < 0))) for u in jax.tree_util.tree_leaves(updates))
 
 
-@pytest.mark.parametrize("schedule, points", [
-    ("cosine", {0: 0.0, 5: 0.5, 10: 1.0, 55: 0.55, 100: 0.1}),
-    ("linear", {0: 0.0, 10: 1.0, 55: 0.55, 100: 0.1}),
-    ("inverse_sqrt", {0: 0.0, 10: 1.0, 40: 0.5, 160: 0.25})  # lr * sqrt(warmup / step),
-])
+@pytest.mark.parametrize(
+    "schedule, points",
+    [
+        ("cosine", {0: 0.0, 5: 0.5, 10: 1.0, 55: 0.55, 100: 0.1}),
+        ("linear", {0: 0.0, 10: 1.0, 55: 0.55, 100: 0.1}),
+        ("inverse_sqrt", {0: 0.0, 10: 1.0, 40: 0.5, 160: 0.25}),  # lr * sqrt(warmup / step),
+    ],
+)
 def test_schedules_warm_up_then_decay(schedule, points):
     fn = make_schedule(OptimizerConfig(lr=1.0, schedule=schedule, warmup_steps=10, end_lr_ratio=0.1), steps=100)
     for step, lr in points.items():

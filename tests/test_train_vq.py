@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from train.checkpoints import Checkpoints
-from train.data import TrainStream
-from train.loop import train
-from train.optim import decay_mask
-from train.session import Session
 from train_helpers import read_metrics, write_run
+
+from hkserve.train.checkpoints import Checkpoints
+from hkserve.train.data import TrainStream
+from hkserve.train.loop import train
+from hkserve.train.optim import decay_mask
+from hkserve.train.session import Session
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNKS = 4  # sequence_len / update_len of write_run's config
@@ -55,8 +55,13 @@ def _freeze_after_checkpoint(proc: subprocess.Popen, root: Path, timeout: float 
 def vq_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vq-run")
     config = write_run(root, "vq")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "train", "--config", str(config), "--quiet"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hkserve.cli.main", "train", "--config", str(config), "--quiet"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         resumed_from = _freeze_after_checkpoint(proc, root)
         shutil.copy(root / "metrics.jsonl", root / "killed-metrics.jsonl")
@@ -72,7 +77,7 @@ def vq_run(tmp_path_factory):
 
 
 def test_resume_after_sigkill_repeats_the_uninterrupted_steps(vq_run):
-    session, state, resumed_from, root = vq_run
+    _, state, resumed_from, root = vq_run
     killed, _ = read_metrics(root / "killed-metrics.jsonl")
     resumed, _ = read_metrics(root / "metrics.jsonl")
     assert resumed_from % CHUNKS, "the checkpoint must sit mid-sequence, so the carried state is restored"
@@ -94,7 +99,7 @@ def test_vq_training_loss_decreases(vq_run):
 
 
 def test_the_optimizer_never_sees_the_codebook(vq_run):
-    session, state, _, _ = vq_run
+    _, state, _, _ = vq_run
     assert state.codebook and not set(state.codebook) & set(state.params)
     opt_paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state.opt_state)]
     assert opt_paths and not any("codebook" in p for p in opt_paths)
@@ -115,7 +120,9 @@ def test_the_codebook_moves_only_by_its_ema(vq_run):
     _, aux, _ = jax.jit(model.forward, static_argnums=4)(state.params, state.codebook, batch.inputs, state.carry, True)
     after, _ = session.train_step(state, batch)
     expected = jax.tree_util.tree_map(lambda c, s: gamma * c + (1 - gamma) * s, state.codebook, aux.stats)
-    jax.tree_util.tree_map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), after.codebook, expected)
+    jax.tree_util.tree_map(
+        lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), after.codebook, expected
+    )
     (path,) = state.codebook
     counts_before = jnp.sum(state.codebook[path]["c_count"], axis=-1)  # [G, H]
     counts_after = jnp.sum(after.codebook[path]["c_count"], axis=-1)
@@ -124,9 +131,9 @@ def test_the_codebook_moves_only_by_its_ema(vq_run):
 
 
 def test_export_serves_from_the_store(vq_run, tmp_path):
-    from checkpoint.store import ModelStore
-    from model.vq_model import serving_params
-    from train.export import export_model
+    from hkserve.checkpoint.store import ModelStore
+    from hkserve.model.vq_model import serving_params
+    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     store = ModelStore(tmp_path)
@@ -143,27 +150,40 @@ def test_export_serves_from_the_store(vq_run, tmp_path):
 
 @pytest.mark.slow
 def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
-    from checkpoint.store import ModelStore
     from conftest import hkserve
-    from train.export import export_model
+
+    from hkserve.checkpoint.store import ModelStore
+    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     export_model(session, state, "tiny-vq", ModelStore(tmp_path))
-    result = hkserve("generate", "--model", "tiny-vq", "--max-tokens", "16", "--temperature", "0",
-                     "--max-len", "64", "And God said", home=tmp_path)
+    result = hkserve(
+        "generate",
+        "--model",
+        "tiny-vq",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--max-len",
+        "64",
+        "And God said",
+        home=tmp_path,
+    )
     assert "(16 tokens)" in result.stderr, result.stderr[-2000:]  # (30 steps of bytes: greedy gives spaces)
 
 
 def test_the_exported_vq_model_streams_over_http_like_a_kv_model(vq_run, tmp_path):
     """The trained VQ model behind the OpenAI API: streamed and whole completions agree for a seed."""
     import openai
-    from checkpoint.store import ModelStore
     from http_helpers import LiveServer
-    from model.transformer import build_model
-    from server.api import create_app
-    from server.engine import Engine
-    from server.runner import InferenceRunner
-    from train.export import export_model
+
+    from hkserve.api.app import create_app
+    from hkserve.checkpoint.store import ModelStore
+    from hkserve.engine.engine import Engine
+    from hkserve.engine.runner import InferenceRunner
+    from hkserve.model.build import build_model
+    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     store = ModelStore(tmp_path)

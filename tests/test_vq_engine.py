@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import tiny_vq_config
-from model.memory import init_memory
-from model.transformer import build_model
-from server.engine import Engine
-from server.runner import InferenceRunner, Request
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
+from hkserve.model.config import tiny_vq_config
+from hkserve.model.memory import init_memory
 
 CONFIG = tiny_vq_config(vocab_size=96, context_length=4096)
 MODEL = build_model(CONFIG)
@@ -43,9 +43,9 @@ def greedy_by_recompute(prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         tokens = np.zeros((1, 96), np.int32)
-        tokens[0, :len(seq)] = seq
+        tokens[0, : len(seq)] = seq
         seq.append(int(np.argmax(_last_logits(tokens, np.asarray([len(seq)], np.int32)))))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def ids(tokens) -> list[int]:
@@ -68,11 +68,24 @@ def test_a_request_is_bit_identical_alone_or_among_others_and_slots_are_reset(ru
     def run(name, request):
         results[name] = ids(runner.generate(request))
 
-    threads = [threading.Thread(target=run, args=(f"noise{i}", Request(
-        [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 90))], rng.randrange(1, 30),
-        {"temperature": 1.0, "seed": i}))) for i in range(8)]
-    threads += [threading.Thread(target=run, args=("greedy", Request(PROMPT, 20))),
-                threading.Thread(target=run, args=("seeded", Request(PROMPT[:5], 20, seeded)))]
+    threads = [
+        threading.Thread(
+            target=run,
+            args=(
+                f"noise{i}",
+                Request(
+                    [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 90))],
+                    rng.randrange(1, 30),
+                    {"temperature": 1.0, "seed": i},
+                ),
+            ),
+        )
+        for i in range(8)
+    ]
+    threads += [
+        threading.Thread(target=run, args=("greedy", Request(PROMPT, 20))),
+        threading.Thread(target=run, args=("seeded", Request(PROMPT[:5], 20, seeded))),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -13,23 +13,29 @@ import pytest
 from conftest import require_fixtures
 from vq_reference import reference_gau
 
-from model.config import ModelConfig
-from model.vq_attention import GAU, attend, quantize
-from model.vq_memory import GAUState, advance
+from hkserve.model.config import ModelConfig
+from hkserve.model.vq_attention import GAU, attend, quantize
+from hkserve.model.vq_memory import GAUState, advance
 
 ATOL, RTOL = 1e-5, 1e-4
 
 
 def empty_state(config: ModelConfig, batch: int) -> GAUState:
     h, m, s, dv = config.n_heads, config.vq_mem_len, config.vq_codes, config.vq_value_dim
-    return GAUState(jnp.full((batch, h, m), s, jnp.int32), jnp.zeros((batch, h, m, dv)),
-                    jnp.zeros((batch, h, s)), jnp.zeros((batch, h, s, dv)))
+    return GAUState(
+        jnp.full((batch, h, m), s, jnp.int32),
+        jnp.zeros((batch, h, m, dv)),
+        jnp.zeros((batch, h, s)),
+        jnp.zeros((batch, h, s, dv)),
+    )
 
 
 @functools.cache
 def gau_step(config: ModelConfig):
     """jitted (params, codebook, x [B,T,D], state, step [B], lengths [B]) → (out, new state)."""
-    fn = hk.without_apply_rng(hk.transform_with_state(lambda x, state, step, lengths: GAU(config)(x, state, step, lengths)))
+    fn = hk.without_apply_rng(
+        hk.transform_with_state(lambda x, state, step, lengths: GAU(config)(x, state, step, lengths))
+    )
 
     def apply(params, codebook, x, state, step, lengths):
         (out, new_state, _), _ = fn.apply(params, codebook, x, state, step, lengths)
@@ -51,13 +57,13 @@ def run_splits(config, params, codebook, xs: np.ndarray, splits: list[list[int]]
         width = bucket(int(lengths.max()))
         x = np.zeros((b, width, d), np.float32)
         for row in range(b):
-            x[row, :lengths[row]] = xs[row, step[row]:step[row] + lengths[row]]
+            x[row, : lengths[row]] = xs[row, step[row] : step[row] + lengths[row]]
         y, new_state = step_fn(params, codebook, x, state, step, lengths)
         for row in np.nonzero(lengths == 0)[0]:
             for old, new in zip(state, new_state):
                 np.testing.assert_array_equal(np.asarray(new[row]), np.asarray(old[row]))
         for row in range(b):
-            out[row, step[row]:step[row] + lengths[row]] = np.asarray(y[row, :lengths[row]])
+            out[row, step[row] : step[row] + lengths[row]] = np.asarray(y[row, : lengths[row]])
         state, step = new_state, step + lengths
     assert (step == t).all()
     return out, state
@@ -72,15 +78,26 @@ def assert_state_equals(state: GAUState, want: dict, atol=ATOL):
 
 # ---- the reference implementation's fixture ----------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fixture():
     data = dict(np.load(require_fixtures() / "vq" / "vq_reference.npz"))
     config = ModelConfig(
-        vocab_size=2, dim=int(data["cfg_d_model"]), n_layers=1, n_heads=int(data["cfg_n_head"]),
-        n_kv_heads=int(data["cfg_n_head"]), head_dim=int(data["cfg_d_k"]), ffn_dim=0,
-        norm_eps=float(data["cfg_rmsnorm_eps"]), memory="vq", vq_value_dim=int(data["cfg_d_v"]),
-        vq_codes=int(data["cfg_n_code"]), vq_block_len=int(data["cfg_block_len"]),
-        vq_mem_len=int(data["cfg_mem_len"]), vq_pe_lam=float(data["cfg_pe_lam"]))
+        vocab_size=2,
+        dim=int(data["cfg_d_model"]),
+        n_layers=1,
+        n_heads=int(data["cfg_n_head"]),
+        n_kv_heads=int(data["cfg_n_head"]),
+        head_dim=int(data["cfg_d_k"]),
+        ffn_dim=0,
+        norm_eps=float(data["cfg_rmsnorm_eps"]),
+        memory="vq",
+        vq_value_dim=int(data["cfg_d_v"]),
+        vq_codes=int(data["cfg_n_code"]),
+        vq_block_len=int(data["cfg_block_len"]),
+        vq_mem_len=int(data["cfg_mem_len"]),
+        vq_pe_lam=float(data["cfg_pe_lam"]),
+    )
     params = {
         "gau/input_norm": {"scale": data["param_input_norm_gain"], "bias": data["param_input_norm_bias"]},
         "gau/q_proj": {"w": data["param_q_proj_kernel"]},
@@ -94,15 +111,25 @@ def fixture():
 
 
 def fixture_state(data: dict, prefix: str) -> dict:
-    return {"z_win": data[f"{prefix}window_z"], "v_win": data[f"{prefix}window_v"],
-            "n": data[f"{prefix}agg_count"], "u_mean": data[f"{prefix}agg_mean_v"]}
+    return {
+        "z_win": data[f"{prefix}window_z"],
+        "v_win": data[f"{prefix}window_v"],
+        "n": data[f"{prefix}agg_count"],
+        "u_mean": data[f"{prefix}agg_mean_v"],
+    }
 
 
 def test_fixture_params_map_onto_the_layer(fixture):
     config, params, codebook, _ = fixture
     fn, _ = gau_step(config)
-    shapes = jax.eval_shape(fn.init, jax.random.PRNGKey(0), jnp.zeros((2, 4, config.dim)), empty_state(config, 2),
-                            jnp.zeros(2, jnp.int32), jnp.full(2, 4, jnp.int32))
+    shapes = jax.eval_shape(
+        fn.init,
+        jax.random.PRNGKey(0),
+        jnp.zeros((2, 4, config.dim)),
+        empty_state(config, 2),
+        jnp.zeros(2, jnp.int32),
+        jnp.full(2, 4, jnp.int32),
+    )
     assert jax.tree_util.tree_map(np.shape, shapes) == jax.tree_util.tree_map(np.shape, (params, codebook))
 
 
@@ -148,7 +175,7 @@ def test_attention_core_reproduces_wv_and_codes_block_by_block(fixture):
     state, step = empty_state(config, b), jnp.zeros(b, jnp.int32)
     wv, zs = [], []
     for i in range(0, t, blk):
-        out, z, state = block(state, step, q[:, :, i:i + blk], k[:, :, i:i + blk], v[:, :, i:i + blk])
+        out, z, state = block(state, step, q[:, :, i : i + blk], k[:, :, i : i + blk], v[:, :, i : i + blk])
         wv.append(out)
         zs.append(z)
         step = step + blk
@@ -159,26 +186,53 @@ def test_attention_core_reproduces_wv_and_codes_block_by_block(fixture):
 
 # ---- random params: cached form == quadratic reference -----------------------------------------
 
+
 def random_gau(config: ModelConfig, seed: int):
     """Params and codebook with every ingredient non-trivial (u, v', norm gain and bias, codes)."""
     fn, _ = gau_step(config)
-    shapes, _ = jax.eval_shape(fn.init, jax.random.PRNGKey(0), jnp.zeros((1, 1, config.dim)), empty_state(config, 1),
-                               jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    shapes, _ = jax.eval_shape(
+        fn.init,
+        jax.random.PRNGKey(0),
+        jnp.zeros((1, 1, config.dim)),
+        empty_state(config, 1),
+        jnp.zeros(1, jnp.int32),
+        jnp.ones(1, jnp.int32),
+    )
     rng = np.random.default_rng(seed)
-    params = {module: {name: (rng.standard_normal(a.shape) * a.shape[-2] ** -0.5).astype(np.float32)
-                       for name, a in names.items()} for module, names in shapes.items() if module.endswith("_proj")}
+    params = {
+        module: {
+            name: (rng.standard_normal(a.shape) * a.shape[-2] ** -0.5).astype(np.float32) for name, a in names.items()
+        }
+        for module, names in shapes.items()
+        if module.endswith("_proj")
+    }
     h, dk, s = config.n_heads, config.head_dim, config.vq_codes
     params["gau"] = {n: 0.7 * rng.standard_normal(h * dk).astype(np.float32) for n in ("xl_u", "xl_v")}
-    params["gau/input_norm"] = {"scale": (1 + 0.3 * rng.standard_normal(config.dim)).astype(np.float32),
-                                "bias": (0.5 * rng.standard_normal(config.dim)).astype(np.float32)}
+    params["gau/input_norm"] = {
+        "scale": (1 + 0.3 * rng.standard_normal(config.dim)).astype(np.float32),
+        "bias": (0.5 * rng.standard_normal(config.dim)).astype(np.float32),
+    }
     assert jax.tree_util.tree_map(np.shape, params) == jax.tree_util.tree_map(np.shape, shapes)
     count = rng.uniform(0.5, 4.0, (h, s)).astype(np.float32)
     c_sum = (count[..., None] * 0.5 * rng.standard_normal((h, s, dk))).astype(np.float32)
     return params, {"gau/codebook": {"c_sum": c_sum, "c_count": count}}
 
 
-SMALL = ModelConfig(vocab_size=2, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=8, ffn_dim=0, norm_eps=1e-6,
-                    memory="vq", vq_value_dim=16, vq_codes=8, vq_block_len=4, vq_mem_len=5)
+SMALL = ModelConfig(
+    vocab_size=2,
+    dim=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=0,
+    norm_eps=1e-6,
+    memory="vq",
+    vq_value_dim=16,
+    vq_codes=8,
+    vq_block_len=4,
+    vq_mem_len=5,
+)
 
 
 def test_any_block_split_equals_the_quadratic_reference_with_rows_at_different_positions():
@@ -202,8 +256,21 @@ def test_any_block_split_equals_the_quadratic_reference_with_rows_at_different_p
 
 def test_after_4096_tokens_counts_means_and_outputs_still_equal_the_reference():
     """Aggregates over thousands of tokens stay exact in float32 (counts) and accurate (means)."""
-    config = ModelConfig(vocab_size=2, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=8, ffn_dim=0,
-                         norm_eps=1e-6, memory="vq", vq_value_dim=8, vq_codes=8, vq_block_len=4, vq_mem_len=16)
+    config = ModelConfig(
+        vocab_size=2,
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=0,
+        norm_eps=1e-6,
+        memory="vq",
+        vq_value_dim=8,
+        vq_codes=8,
+        vq_block_len=4,
+        vq_mem_len=16,
+    )
     params, codebook = random_gau(config, 2)
     t = 4096
     xs = np.random.default_rng(3).standard_normal((1, t, config.dim)).astype(np.float32)

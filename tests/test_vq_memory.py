@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import tiny_config, tiny_vq_config
-from model.memory import KVMemory, init_memory, insert_slot, reset_slot
-from model.vq_memory import GAUState, VQMemory, advance
+from hkserve.model.config import tiny_config, tiny_vq_config
+from hkserve.model.memory import KVMemory, init_memory, insert_slot, reset_slot
+from hkserve.model.vq_memory import GAUState, VQMemory, advance
 
 CONFIG = tiny_vq_config()
 
@@ -16,8 +16,12 @@ CONFIG = tiny_vq_config()
 def filled(memory: VQMemory, seed: int) -> VQMemory:
     """Random non-empty contents in every field."""
     rng = np.random.default_rng(seed)
-    return VQMemory(*(jnp.asarray(rng.integers(1, 5, a.shape) if a.dtype == jnp.int32 else rng.random(a.shape),
-                                  a.dtype) for a in memory))
+    return VQMemory(
+        *(
+            jnp.asarray(rng.integers(1, 5, a.shape) if a.dtype == jnp.int32 else rng.random(a.shape), a.dtype)
+            for a in memory
+        )
+    )
 
 
 def test_init_memory_dispatches_on_the_config_and_keeps_aggregates_float32():
@@ -54,8 +58,12 @@ def test_advance_folds_the_oldest_entries_into_exact_counts_and_means():
     v_win = jnp.arange(10.0, 14.0).reshape(1, 1, 4, 1)
     n = jnp.asarray([[[0.0, 2.0, 0.0, 0.0, 0.0]]])  # S = 5; code 1 already seen twice with mean 4
     u_mean = jnp.asarray([[[[0.0], [4.0], [0.0], [0.0], [0.0]]]])
-    new = jax.jit(advance)(GAUState(z_win, v_win, n, u_mean), jnp.asarray([[[1, 1, 2]]], jnp.int32),
-                  jnp.asarray([[[[20.0], [21.0], [99.0]]]]), jnp.asarray([2], jnp.int32))
+    new = jax.jit(advance)(
+        GAUState(z_win, v_win, n, u_mean),
+        jnp.asarray([[[1, 1, 2]]], jnp.int32),
+        jnp.asarray([[[[20.0], [21.0], [99.0]]]]),
+        jnp.asarray([2], jnp.int32),
+    )
     np.testing.assert_array_equal(new.z_win, [[[2, 3, 1, 1]]])  # the last M real tokens
     np.testing.assert_array_equal(new.v_win[..., 0], [[[12.0, 13.0, 20.0, 21.0]]])
     np.testing.assert_array_equal(new.n, [[[1.0, 3.0, 0.0, 0.0, 0.0]]])  # codes 0 and 1 left the window

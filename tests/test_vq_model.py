@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.config import tiny_vq_config
-from model.memory import init_memory, reset_slot
-from model.sharding import param_specs, parse_mesh
-from model.transformer import build_model, param_shapes
-from model.vq_model import (
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.config import tiny_vq_config
+from hkserve.model.memory import init_memory, reset_slot
+from hkserve.model.sharding import param_specs, parse_mesh
+from hkserve.model.vq_model import (
     POSITION_KEYS,
     ema_update,
     init_train,
@@ -43,8 +43,10 @@ def random_params(seed: int) -> dict:
             return (1.0 if name == "embeddings" else 0.5) * rng.standard_normal(shape)
         return rng.standard_normal(shape) * shape[-2] ** -0.5  # [.., in, out] projections
 
-    return {module: {name: draw(name, a.shape).astype(np.float32) for name, a in names.items()}
-            for module, names in param_shapes(CONFIG).items()}
+    return {
+        module: {name: draw(name, a.shape).astype(np.float32) for name, a in names.items()}
+        for module, names in param_shapes(CONFIG).items()
+    }
 
 
 @functools.cache
@@ -64,7 +66,7 @@ def full_logits(seqs: list[list[int]]) -> np.ndarray:
     _, params, forward = setup()
     tokens = np.zeros((len(seqs), BUCKET), np.int32)
     for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = s
+        tokens[i, : len(s)] = s
     lengths = np.asarray([len(s) for s in seqs], np.int32)
     logits, _ = forward(params, tokens, init_memory(CONFIG, len(seqs), 0), lengths, None, None, False)
     return np.asarray(logits)
@@ -73,7 +75,7 @@ def full_logits(seqs: list[list[int]]) -> np.ndarray:
 def prefill(memory, seq, slot):
     _, params, forward = setup()
     tokens = np.zeros((1, BUCKET), np.int32)
-    tokens[0, :len(seq)] = seq
+    tokens[0, : len(seq)] = seq
     return forward(params, tokens, memory, np.asarray([len(seq)], np.int32), np.asarray([slot], np.int32), None, True)
 
 
@@ -95,8 +97,9 @@ def test_prefill_into_slots_then_decode_equals_one_long_forward():
         logits, memory = forward(params, tokens, memory, active, None, None, False)
         for slot, n in enumerate(prompt_lens):
             if active[slot]:
-                np.testing.assert_allclose(logits[slot, 0], want[slot, n + step], atol=TOL, rtol=RTOL,
-                                           err_msg=f"slot {slot} step {step}")
+                np.testing.assert_allclose(
+                    logits[slot, 0], want[slot, n + step], atol=TOL, rtol=RTOL, err_msg=f"slot {slot} step {step}"
+                )
             else:
                 for old, new in zip(slot_of(before, slot), slot_of(memory, slot)):
                     np.testing.assert_array_equal(new, old)
@@ -173,11 +176,10 @@ def trained():
 
 def test_training_blocks_equal_one_serving_forward(trained):
     params, codebook, tokens, logits, _, carry, _ = trained
-    assert BUCKET % CONFIG.vq_block_len == 0 and BUCKET > CONFIG.vq_block_len
+    assert BUCKET % CONFIG.vq_block_len == 0 and CONFIG.vq_block_len < BUCKET
     _, serving, forward = setup()
     assert serving_params(params, codebook).keys() == serving.keys()
-    want, memory = forward(serving, tokens, init_memory(CONFIG, 3, 0), np.full(3, BUCKET, np.int32), None, None,
-                           False)
+    want, memory = forward(serving, tokens, init_memory(CONFIG, 3, 0), np.full(3, BUCKET, np.int32), None, None, False)
     np.testing.assert_allclose(logits, want, atol=TOL, rtol=RTOL)
     np.testing.assert_array_equal(carry.z_win, memory.z_win)
     np.testing.assert_array_equal(carry.n, memory.n)
@@ -206,7 +208,7 @@ def gau0_keys(params, codebook, tokens):
     x = np.asarray(params["decoder/embed"]["embeddings"])[tokens] * c.embedding_multiplier
     norm = params["decoder/layers/gau/input_norm"]
     xt = rms(x) * np.asarray(norm["scale"][0]) + np.asarray(norm["bias"][0])
-    k = xt @ np.asarray(params["decoder/layers/gau/kvg_proj"]["w"][0])[:, :h * dk]
+    k = xt @ np.asarray(params["decoder/layers/gau/kvg_proj"]["w"][0])[:, : h * dk]
     k = rms(k.reshape(*tokens.shape, h, dk).transpose(0, 2, 1, 3)) * dk**-0.25
     cb = codebook["decoder/layers/gau/codebook"]
     codes = np.asarray(cb["c_sum"][0]) / np.maximum(np.asarray(cb["c_count"][0]), 0.01)[..., None]
@@ -226,11 +228,13 @@ def test_ema_update_equals_its_closed_form_on_the_batch_statistics(trained):
     new = ema_update(codebook, aux.stats, gamma)
     for name in ("c_sum", "c_count"):
         old = np.asarray(codebook["decoder/layers/gau/codebook"][name])
-        np.testing.assert_allclose(new["decoder/layers/gau/codebook"][name],
-                                   gamma * old + (1 - gamma) * np.asarray(stats[name]), rtol=1e-6)
+        np.testing.assert_allclose(
+            new["decoder/layers/gau/codebook"][name], gamma * old + (1 - gamma) * np.asarray(stats[name]), rtol=1e-6
+        )
 
 
 # ---- shapes and partition rules ---------------------------------------------------------------
+
 
 def test_serving_tree_size_is_n_params_and_every_param_has_a_partition_rule():
     for config in (CONFIG, tiny_vq_config(tie_embeddings=False, vq_e_preln=False)):

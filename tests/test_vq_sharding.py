@@ -10,16 +10,22 @@ import sys
 import numpy as np
 from conftest import REPO
 
-from model.config import tiny_vq_config
-from model.sharding import memory_shardings, param_specs, parse_mesh
-from model.transformer import param_shapes
+from hkserve.model.build import param_shapes
+from hkserve.model.config import tiny_vq_config
+from hkserve.model.sharding import memory_shardings, param_specs, parse_mesh
 
 
 def test_vq_decoder_sharded_2x4_equals_single_device(tmp_path):
     out = tmp_path / "vq.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "vq_sharded_worker.py"), str(out)], env=env,
-                            capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "vq_sharded_worker.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     results = dict(np.load(out))
     keys = [k.split("/", 1)[1] for k in results if k.startswith("1x1/")]

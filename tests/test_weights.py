@@ -7,15 +7,15 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from checkpoint.quantize import convert_params, quantize_int8
-from model.config import tiny_config
-from model.memory import init_memory
-from model.transformer import build_model
-from server.engine import Engine
-from server.eval_ppl import perplexity
-from server.runner import InferenceRunner, Request
 from test_sharding import assert_meshes_agree, run_worker
+
+from hkserve.checkpoint.quantize import convert_params, quantize_int8
+from hkserve.cli.eval_ppl import perplexity
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
+from hkserve.model.config import tiny_config
+from hkserve.model.memory import init_memory
 
 TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
@@ -38,13 +38,27 @@ def test_int8_steps_read_int8_weights_without_a_float_copy():
     """The compiled decode step converts int8 weights inside fusions only (never a standalone f32 array),
     including the vocabulary head that is computed block by block."""
     base = tiny_config(vocab_size=16384, tie_embeddings=True)
-    config, params = convert_params(jax.tree_util.tree_map(np.asarray, build_model(base).init(
-        jax.random.PRNGKey(0))), base, "int8")
+    config, params = convert_params(
+        jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0))), base, "int8"
+    )
     model = build_model(config)
     memory = init_memory(config, 2, 32)
-    hlo = jax.jit(model.forward).lower(params, np.ones((2, 1), np.int32), memory, np.ones(2, np.int32)).compile().as_text()
-    weight_shapes = {"f32[2,64,128]", "f32[2,128,64]", "f32[64,128]", "f32[128,64]", "f32[4096,64]", "f32[64,4096]",
-                     "f32[16384,64]", "f32[64,16384]"}
+    hlo = (
+        jax.jit(model.forward)
+        .lower(params, np.ones((2, 1), np.int32), memory, np.ones(2, np.int32))
+        .compile()
+        .as_text()
+    )
+    weight_shapes = {
+        "f32[2,64,128]",
+        "f32[2,128,64]",
+        "f32[64,128]",
+        "f32[128,64]",
+        "f32[4096,64]",
+        "f32[64,4096]",
+        "f32[16384,64]",
+        "f32[64,16384]",
+    }
     computations = re.split(r"\n\n", hlo)
     for block in computations:
         header = block.strip().splitlines()[0] if block.strip() else ""
@@ -69,7 +83,10 @@ def test_variant_perplexity_within_2_percent_and_greedy_mostly_equal(variants, g
     config = store.config(info.name, weights)
     params = store.params(info.name, weights=weights)
     ppl, _ = perplexity(config, params, ids, 256)
-    print(f"\n{weights}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} over {n} tokens ({100 * (ppl / ppl_f32 - 1):+.2f}%)")
+    print(
+        f"\n{weights}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} over {n} tokens "
+        f"({100 * (ppl / ppl_f32 - 1):+.2f}%)"
+    )
     assert abs(ppl / ppl_f32 - 1) < 0.02
 
     runner = InferenceRunner(Engine(build_model(config), params, slots=4, max_len=128)).start(warmup=False)
@@ -77,7 +94,10 @@ def test_variant_perplexity_within_2_percent_and_greedy_mostly_equal(variants, g
         matched, total = 0, 0
         for case in golden["cases"]:
             got = [t.id for t in runner.generate(Request(case["prompt_ids"], 32, {}, tokenizer.stop_ids))]
-            same = next((i for i, (a, b) in enumerate(zip(got, case["greedy_ids"])) if a != b), min(len(got), len(case["greedy_ids"])))
+            same = next(
+                (i for i, (a, b) in enumerate(zip(got, case["greedy_ids"])) if a != b),
+                min(len(got), len(case["greedy_ids"])),
+            )
             print(f"{weights} {case['name']}: first {same} of {len(case['greedy_ids'])} greedy tokens equal float32's")
             matched, total = matched + same, total + len(case["greedy_ids"])
     finally:

@@ -25,8 +25,17 @@ And the evening and the morning were the third day.
 """
 
 MODELS = {
-    "vq": {"memory": "vq", "dim": 32, "n_layers": 1, "n_heads": 1, "head_dim": 16, "vq_value_dim": 64,
-           "vq_codes": 16, "vq_block_len": 16, "vq_mem_len": 16},
+    "vq": {
+        "memory": "vq",
+        "dim": 32,
+        "n_layers": 1,
+        "n_heads": 1,
+        "head_dim": 16,
+        "vq_value_dim": 64,
+        "vq_codes": 16,
+        "vq_block_len": 16,
+        "vq_mem_len": 16,
+    },
     "kv": {"memory": "kv", "dim": 32, "n_layers": 1, "n_heads": 2, "head_dim": 16, "n_kv_heads": 2, "ffn_dim": 64},
 }
 
@@ -48,7 +57,10 @@ def write_run(root: Path, memory: str, tokenizer="bytes", **overrides) -> Path:
         "data": {split: str(root / f"{split}.txt") for split in ("train", "validation", "test")},
         "tokenizer": tokenizer,
         "model": MODELS[memory],
-        "sequence_len": 128, "update_len": 32, "batch_size": 2, "steps": 30,
+        "sequence_len": 128,
+        "update_len": 32,
+        "batch_size": 2,
+        "steps": 30,
         "optimizer": {"name": "adamw", "lr": 1e-2, "warmup_steps": 3, "weight_decay": 0.01},
         "checkpoint": {"dir": str(root / "checkpoints"), "every": 3, "keep": 2},
         "eval": {"every": 3, "batches": 1},

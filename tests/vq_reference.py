@@ -22,12 +22,19 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def reference_gau(params: dict, codebook: dict, x: np.ndarray, config, prefix: str = "gau",
-                  query_chunk: int = 512) -> dict:
+def reference_gau(
+    params: dict, codebook: dict, x: np.ndarray, config, prefix: str = "gau", query_chunk: int = 512
+) -> dict:
     """x [B, T, D] → {res [B,T,D], wv [B,T,H*dv], z [B,H,T], and the state after T tokens: z_win
     [B,H,M] (S where empty), v_win [B,H,M,dv], n [B,H,S], u_mean [B,H,S,dv]}, all float64 / int."""
-    h, dk, dv, s, m, eps = (config.n_heads, config.head_dim, config.vq_value_dim, config.vq_codes,
-                            config.vq_mem_len, config.norm_eps)
+    h, dk, dv, s, m, eps = (
+        config.n_heads,
+        config.head_dim,
+        config.vq_value_dim,
+        config.vq_codes,
+        config.vq_mem_len,
+        config.norm_eps,
+    )
 
     def p(module, name):
         return np.asarray(params[f"{prefix}/{module}" if module else prefix][name], F64)
@@ -42,9 +49,9 @@ def reference_gau(params: dict, codebook: dict, x: np.ndarray, config, prefix: s
     xt = _rms(x, eps) * p("input_norm", "scale") + p("input_norm", "bias")
     q = _rms(heads(xt @ p("q_proj", "w"), dk), eps) * s4
     kvg = xt @ p("kvg_proj", "w")
-    k = _rms(heads(kvg[..., :h * dk], dk), eps) * s4
-    v = _silu(heads(kvg[..., h * dk:h * (dk + dv)], dv))
-    g = _silu(kvg[..., h * (dk + dv):])
+    k = _rms(heads(kvg[..., : h * dk], dk), eps) * s4
+    v = _silu(heads(kvg[..., h * dk : h * (dk + dv)], dv))
+    g = _silu(kvg[..., h * (dk + dv) :])
     c_sum = np.asarray(codebook[f"{prefix}/codebook"]["c_sum"], F64)
     c_count = np.asarray(codebook[f"{prefix}/codebook"]["c_count"], F64)
     codes = c_sum / np.maximum(c_count, 0.01)[..., None]  # [H, S, dk]
@@ -82,6 +89,6 @@ def reference_gau(params: dict, codebook: dict, x: np.ndarray, config, prefix: s
     u_mean = np.einsum("bhts,bhtd->bhsd", hits, v[:, :, :old]) / np.maximum(n, 1)[..., None]
     z_win = np.full((b, h, m), s)
     v_win = np.zeros((b, h, m, dv))
-    z_win[:, :, m - (t - old):] = z[:, :, old:]
-    v_win[:, :, m - (t - old):] = v[:, :, old:]
+    z_win[:, :, m - (t - old) :] = z[:, :, old:]
+    v_win[:, :, m - (t - old) :] = v[:, :, old:]
     return {"res": res, "wv": wv, "z": z, "z_win": z_win, "v_win": v_win, "n": n, "u_mean": u_mean}

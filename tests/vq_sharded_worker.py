@@ -9,10 +9,10 @@ import sys
 import jax
 import numpy as np
 
-from model.config import tiny_vq_config
-from model.memory import init_memory
-from model.sharding import memory_shardings, param_shardings, parse_mesh
-from model.transformer import build_model, param_shapes
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.config import tiny_vq_config
+from hkserve.model.memory import init_memory
+from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "2x4"]  # 2x4: slots split over "data", heads over "model"
 CONFIG = tiny_vq_config(vocab_size=96, n_heads=4, n_kv_heads=4, head_dim=4, vq_value_dim=8)
@@ -35,7 +35,7 @@ def run(mesh_name: str, params, tokens) -> dict:
     for i, lengths in enumerate(schedule):
         chunk = np.zeros((len(PROMPT_LENS), CHUNK), np.int32)
         for row, n in enumerate(lengths):
-            chunk[row, :n] = tokens[row, done[row]:done[row] + n]
+            chunk[row, :n] = tokens[row, done[row] : done[row] + n]
         logits, memory = forward(params, chunk, memory, lengths.astype(np.int32), None, None, False)
         out[f"logits{i}"] = np.asarray(logits)
         done += lengths

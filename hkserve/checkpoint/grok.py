@@ -1,0 +1,86 @@
+"""Import grok-1-style Haiku parameters (xai-org/grok-1's module names) onto our decoder.
+
+grok names → ours: rms_norm / rms_norm_1 / rms_norm_2 / rms_norm_3 are the pre-attention,
+post-attention, pre-MoE and post-MoE norms; query/key/value/linear the attention projections;
+moe/linear (gelu branch), moe/linear_v (linear branch), moe/linear_1 (down) the experts. Weights are
+already [in, out] with head-major columns, as ours are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from hkserve.checkpoint.params import ImportFormatError, assemble_params
+from hkserve.model.config import ModelConfig, grok_config
+
+_LAYER = {
+    "rms_norm/scale": "attn_norm",
+    "rms_norm_1/scale": "post_attn_norm",
+    "rms_norm_2/scale": "mlp_norm",
+    "rms_norm_3/scale": "post_mlp_norm",
+    "multi_head_attention/query/w": "q_proj",
+    "multi_head_attention/key/w": "k_proj",
+    "multi_head_attention/value/w": "v_proj",
+    "multi_head_attention/linear/w": "o_proj",
+    "router/w": "router",
+    "moe/linear/w": "expert_gate",
+    "moe/linear_v/w": "expert_up",
+    "moe/linear_1/w": "expert_down",
+}
+
+
+def config_from_grok(cfg: dict, **changes) -> ModelConfig:
+    """grok-1's LanguageModelConfig / TransformerConfig fields → ModelConfig (float32)."""
+    ffn = int(cfg["emb_size"] * cfg.get("widening_factor", 1.0)) * 2 // 3
+    ffn += (8 - ffn % 8) % 8
+    return grok_config(
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["emb_size"],
+        n_layers=cfg["num_layers"],
+        n_heads=cfg["num_q_heads"],
+        n_kv_heads=cfg["num_kv_heads"],
+        head_dim=cfg["key_size"],
+        ffn_dim=cfg.get("ffn_size", ffn),
+        n_experts=cfg["num_experts"],
+        n_experts_per_token=cfg["num_selected_experts"],
+        attn_multiplier=cfg.get("attn_output_multiplier", cfg["key_size"] ** -0.5),
+        embedding_multiplier=cfg.get("embedding_multiplier_scale", 1.0),
+        output_multiplier=cfg.get("output_multiplier_scale", 1.0),
+        attn_logit_cap=cfg.get("attn_logit_cap", 30.0),
+        rope_theta=cfg.get("rope_base", 10000.0),
+        norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5)),
+        context_length=cfg.get("sequence_len", 8192),
+        **changes,
+    )
+
+
+def load_grok(tensors: dict, config: ModelConfig) -> dict:
+    """{grok haiku name: array} (e.g. an .npz) → our Haiku params for `config`."""
+
+    def take(name: str) -> np.ndarray:
+        try:
+            return np.asarray(tensors[name])
+        except KeyError:
+            raise ImportFormatError(f"grok checkpoint lacks {name}") from None
+
+    layers = [
+        {ours: take(f"transformer/decoder_layer_{i}/{theirs}") for theirs, ours in _LAYER.items()}
+        for i in range(config.n_layers)
+    ]
+    return assemble_params(
+        config,
+        {
+            "embed": take("language_model/in_out_embed/embeddings"),
+            "final_norm": take("language_model/rms_norm/scale"),
+            "layers": layers,
+        },
+    )
+
+
+def load_grok_npz(path) -> tuple[ModelConfig, dict]:
+    """A grok reference .npz with its config under meta/config_json."""
+    data = np.load(path, allow_pickle=False)
+    config = config_from_grok(json.loads(str(data["meta/config_json"])))
+    return config, load_grok(data, config)

@@ -1,0 +1,83 @@
+"""Write an HF checkpoint (config.json + model.safetensors) of our params: the inverse of hf.py.
+
+Used to load our weights into a peer implementation (transformers) for benchmarks and comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from hkserve.model.config import ModelConfig
+
+
+def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
+    """Our param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
+    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. float32."""
+
+    def get(module: str, name: str) -> np.ndarray:
+        return np.asarray(params[module][name], np.float32)
+
+    out = {
+        "model.embed_tokens.weight": get("decoder/embed", "embeddings"),
+        "model.norm.weight": get("decoder/final_norm", "scale"),
+    }
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = get("decoder/lm_head", "w").T
+    stacked = {
+        "input_layernorm.weight": get("decoder/layers/attn_norm", "scale"),
+        "post_attention_layernorm.weight": get("decoder/layers/mlp_norm", "scale"),
+    }
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        stacked[f"self_attn.{proj}.weight"] = get(f"decoder/layers/attention/{proj}", "w").swapaxes(1, 2)
+    if config.n_experts:
+        stacked["block_sparse_moe.gate.weight"] = get("decoder/layers/moe/router", "w").swapaxes(1, 2)
+        for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+            experts = get("decoder/layers/moe", ours).swapaxes(2, 3)  # [L, E, out, in]
+            for e in range(config.n_experts):
+                stacked[f"block_sparse_moe.experts.{e}.{theirs}.weight"] = experts[:, e]
+    else:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked[f"mlp.{proj}.weight"] = get(f"decoder/layers/mlp/{proj}", "w").swapaxes(1, 2)
+    for name, value in stacked.items():
+        for i in range(config.n_layers):
+            out[f"model.layers.{i}.{name}"] = value[i]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    """Our ModelConfig → an HF config.json (LlamaForCausalLM, or MixtralForCausalLM for MoE), float32."""
+    out = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        max_position_embeddings=config.context_length,
+        tie_word_embeddings=config.tie_embeddings,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    if config.n_experts:
+        return dict(
+            out,
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=config.n_experts,
+            num_experts_per_tok=config.n_experts_per_token,
+        )
+    return dict(out, architectures=["LlamaForCausalLM"], model_type="llama")
+
+
+def write_hf_checkpoint(config: ModelConfig, params, directory: str) -> None:
+    """config.json + model.safetensors of `params` in `directory` (which must exist)."""
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config_dict(config), f, indent=2)
+    save_file(hf_checkpoint_tensors(config, params), os.path.join(directory, "model.safetensors"))

@@ -1,0 +1,46 @@
+"""Weight variants of a float32 model: bfloat16 (a cast) and int8 weight-only quantization
+(symmetric absmax per output channel, float32 scales; norm scales stay float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hkserve.model.build import param_shapes
+from hkserve.model.config import ModelConfig
+
+# Quantized params and the axis their absmax reduces over (the input axis of each product).
+_INT8 = {"w": -2, "embeddings": -1, "gate_proj": -2, "up_proj": -2, "down_proj": -2}
+
+
+def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """→ (int8 values, float32 scale with `axis` removed) so that w ≈ values * scale."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=axis) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    values = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return values, scale
+
+
+def convert_params(params: dict, config: ModelConfig, dtype: str) -> tuple[ModelConfig, dict]:
+    """float32 params of `config` → (config of the variant, its params as numpy)."""
+    target = config.replace(dtype=dtype)
+    if dtype == config.dtype:
+        return target, params
+    if config.dtype != "float32":
+        raise ValueError(f"variants are made from float32 weights, not {config.dtype}")
+    out: dict = {}
+    shapes = param_shapes(target)
+    for module, names in shapes.items():
+        for name in names:
+            if dtype == "int8" and name in _INT8:
+                values, scale = quantize_int8(params[module][name], _INT8[name])
+                out.setdefault(module, {})[name] = values
+                out[module]["scale" if name in ("w", "embeddings") else f"{name}_scale"] = scale
+    for module, names in shapes.items():  # the rest (norm scales, or everything for bf16): cast
+        for name, spec in names.items():
+            if name not in out.get(module, {}):
+                out.setdefault(module, {})[name] = np.asarray(params[module][name]).astype(spec.dtype)
+    for module, names in shapes.items():  # every expected param, with its shape
+        for name, spec in names.items():
+            assert out[module][name].shape == spec.shape and out[module][name].dtype == spec.dtype, (module, name)
+    return target, out

@@ -1,0 +1,144 @@
+"""The model store: converted models under HKSERVE_HOME (default ~/.cache/hkserve).
+
+$HKSERVE_HOME/models/<name>/config.json      ModelConfig
+                           /params/          orbax checkpoint
+                           /tokenizer/       tokenizer.json | tokenizer.model + tokenizer_config.json
+                           /source.json      where it came from
+$HKSERVE_HOME/tmp/                           work dirs; a model appears by one rename when complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from hkserve.checkpoint.orbax_io import restore_params, save_params
+from hkserve.checkpoint.quantize import convert_params
+from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.model.config import WEIGHTS, ModelConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def store_root() -> Path:
+    return Path(os.environ.get("HKSERVE_HOME", "~/.cache/hkserve")).expanduser().absolute()
+
+
+class ModelInfo(NamedTuple):
+    name: str
+    path: Path
+    config: ModelConfig
+    source: dict
+    has_tokenizer: bool
+
+
+class ModelStore:
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root).absolute() if root else store_root()
+        self.models_dir = self.root / "models"
+
+    def path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"invalid model name {name!r}")
+        return self.models_dir / name
+
+    def exists(self, name: str) -> bool:
+        return (self.path(name) / "config.json").is_file()
+
+    def info(self, name: str) -> ModelInfo:
+        path = self.path(name)
+        if not self.exists(name):
+            known = ", ".join(m.name for m in self.list()) or "none"
+            raise FileNotFoundError(
+                f"model {name!r} is not in the store {self.models_dir} (have: {known}); "
+                f"run `hkserve pull` or `hkserve convert`"
+            )
+        source = json.loads((path / "source.json").read_text()) if (path / "source.json").is_file() else {}
+        config = ModelConfig.from_json((path / "config.json").read_text())
+        return ModelInfo(name, path, config, source, (path / "tokenizer" / "tokenizer_config.json").is_file())
+
+    def list(self) -> list[ModelInfo]:
+        if not self.models_dir.is_dir():
+            return []
+        return [self.info(p.name) for p in sorted(self.models_dir.iterdir()) if (p / "config.json").is_file()]
+
+    def tokenizer(self, name: str) -> Tokenizer:
+        info = self.info(name)
+        if not info.has_tokenizer:
+            raise ValueError(f"model {name!r} has no tokenizer (it was imported from weights only)")
+        return Tokenizer.load(info.path / "tokenizer")
+
+    def config(self, name: str, weights: str | None = None) -> ModelConfig:
+        """The model's config, for a weight variant (f32 | bf16 | int8) when given."""
+        config = self.info(name).config
+        if weights is None or WEIGHTS[weights] == config.dtype:
+            return config
+        if config.memory == "vq":
+            raise ValueError(
+                f"model {name!r} is a Transformer-VQ model: it serves its stored {config.dtype} "
+                f"weights only (weight variants are for KV models)"
+            )
+        return config.replace(dtype=WEIGHTS[weights])
+
+    def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
+        """Params restored onto `shardings`; a weight variant is made from the float32 master (and
+        kept next to it as params-<dtype>) the first time it is asked for."""
+        info = self.info(name)
+        config = self.config(name, weights)
+        if config.dtype == info.config.dtype:
+            return restore_params(info.path / "params", config, shardings)
+        path = info.path / f"params-{config.dtype}"
+        if not path.exists():
+            self._make_variant(info, config.dtype, path)
+        return restore_params(path, config, shardings)
+
+    def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
+        master = jax.tree_util.tree_map(np.asarray, restore_params(info.path / "params", info.config))
+        _, variant = convert_params(master, info.config, dtype)
+        work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
+        try:
+            save_params(work / "params", variant)
+            (work / "params").rename(path)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def save(
+        self,
+        name: str,
+        config: ModelConfig,
+        params: dict,
+        tokenizer: Tokenizer | None,
+        source: dict,
+        overwrite: bool = False,
+    ) -> Path:
+        """Write everything into a work dir, then rename it into place: a crash leaves no half model."""
+        final = self.path(name)
+        if final.exists() and not overwrite:
+            raise FileExistsError(f"model {name!r} already exists at {final} (use --overwrite)")
+        tmp_root = self.root / "tmp"
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_root))
+        try:
+            (work / "config.json").write_text(config.to_json())
+            (work / "source.json").write_text(json.dumps(source, indent=2))
+            if tokenizer is not None:
+                tokenizer.save(work / "tokenizer")
+            save_params(work / "params", params)
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                trash = Path(tempfile.mkdtemp(prefix="old-", dir=tmp_root))
+                final.rename(trash / name)
+                work.rename(final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                work.rename(final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return final

@@ -1,0 +1,54 @@
+"""`hkserve generate`: complete one prompt and print the text."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from hkserve.cli.loading import load_runner
+from hkserve.engine.detokenize import IncrementalDetokenizer
+from hkserve.engine.runner import Request
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_generate(args) -> int:
+    """Complete one prompt, printing the text as it comes (stdout) and the timings (stderr)."""
+    started = time.perf_counter()
+    tokenizer, runner, _ = load_runner(args, slots=1)
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
+    loaded = time.perf_counter()
+
+    detok = IncrementalDetokenizer(tokenizer)
+    arrivals = []  # token arrival times; the first includes the prefill and step compiles
+    try:
+        for event in runner.submit(Request(prompt_ids, args.max_tokens, sampling, tokenizer.stop_ids)):
+            if event.error:
+                raise RuntimeError(event.error)
+            if event.token is None:
+                break
+            arrivals.append(time.perf_counter())
+            sys.stdout.write(detok.add(event.token.id))
+            sys.stdout.flush()
+    finally:
+        runner.stop()
+    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.flush()
+    timing = (
+        f"load {loaded - started:.2f}s, first token {arrivals[0] - loaded:.2f}s (prefill of "
+        f"{len(prompt_ids)} tokens and the compiles)"
+    )
+    if len(arrivals) > 2:  # steady decode, from the second step on
+        rate = (len(arrivals) - 2) / (arrivals[-1] - arrivals[1])
+        timing += f", then {rate:.1f} tok/s"
+    _log(f"{timing} ({len(arrivals)} tokens)")
+    return 0

@@ -1,0 +1,42 @@
+"""Load a model from the store onto a device mesh: the Engine, or a started InferenceRunner."""
+
+from __future__ import annotations
+
+from hkserve.checkpoint.convert import pull
+from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.sharding import param_shardings, parse_mesh
+
+
+def load_engine(args, slots: int, hosts=None):
+    """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
+    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards."""
+    store = ModelStore()
+    if args.model == DEFAULT_MODEL and not store.exists(args.model):
+        pull(args.model, store)
+    weights = getattr(args, "weights", None)
+    config = store.config(args.model, weights)
+    mesh = hosts.mesh(args.mesh, config) if hosts else parse_mesh(args.mesh, config)
+    data = mesh.shape["data"]
+    slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
+    params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
+    return Engine(
+        build_model(config),
+        params,
+        slots=slots,
+        max_len=args.max_len,
+        mesh=mesh,
+        n_top=getattr(args, "max_logprobs", 5),
+    )
+
+
+def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
+    """(tokenizer, runner, context length) of the model. The runner is started without warm-up when
+    `start` (one-shot use), else left for the caller."""
+    engine = load_engine(args, slots)
+    runner = InferenceRunner(engine, max_queue=max_queue)
+    if start:
+        runner.start(warmup=False)
+    return ModelStore().tokenizer(args.model), runner, engine.max_len

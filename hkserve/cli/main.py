@@ -1,0 +1,157 @@
+"""`hkserve` command line: pull | convert | models | serve | sample | bench | eval-ppl | generate, and the
+training commands of train/cli.py (train | train-vocab | validation | test).
+
+Results go to stdout, everything else (progress, timings, logs) to stderr, so output can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hkserve.bench.engine import add_bench_parser
+from hkserve.checkpoint.convert import convert, pull
+from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
+from hkserve.cli import eval_ppl
+from hkserve.cli.generate import run_generate
+from hkserve.cli.sample import add_arguments as add_sample_arguments
+from hkserve.cli.sample import run
+from hkserve.cli.serve import run_server
+from hkserve.model.config import WEIGHTS
+from hkserve.train.cli import register as add_train_parsers
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_pull(args) -> int:
+    store = ModelStore()
+    pull(args.name, store, progress=not args.quiet)
+    if args.weights != "f32":
+        store.params(args.name, weights=args.weights)  # makes and stores the variant once
+    return 0
+
+
+def cmd_convert(args) -> int:
+    store = ModelStore()
+    path = convert(args.path, args.name, store, overwrite=args.overwrite, progress=not args.quiet)
+    if args.weights != "f32":
+        store.params(args.name, weights=args.weights)
+    _log(f"{args.name} stored at {path}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    models = ModelStore().list()
+    if not models:
+        _log(f"no models in {ModelStore().models_dir}; run `hkserve pull`")
+    for m in models:
+        c = m.config
+        print(
+            f"{m.name}\t{c.n_params / 1e6:.0f}M params\t{c.dtype}\t{c.n_layers} layers\tctx {c.context_length}"
+            f"\t{m.source.get('format', '?')}\t{m.path}"
+        )
+    return 0
+
+
+def cmd_sample(args) -> int:
+    return run(args)
+
+
+def cmd_serve(args) -> int:
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hkserve", description="JAX + Haiku LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download and convert a known model into the store")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("convert", help="import a local GGUF file or Hugging Face directory")
+    p.add_argument("path")
+    p.add_argument("--name", required=True)
+    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("models", help="list the model store")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
+    p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
+    g = p.add_argument_group("multi-host (see docs/deploy.md)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of host 0 (env HKSERVE_COORDINATOR)")
+    g.add_argument("--num-hosts", type=int, default=None, help="hosts serving this model (env HKSERVE_NUM_HOSTS)")
+    g.add_argument("--host-id", type=int, default=None, help="this host, 0..N-1; 0 serves HTTP (env HKSERVE_HOST_ID)")
+    g.add_argument(
+        "--hosts-mesh",
+        default=None,
+        help="DATAxMODEL tiling of the hosts, default Nx1 (env HKSERVE_HOSTS_MESH); --mesh tiles each host's devices",
+    )
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("sample", help="complete every prompt of a JSONL file (resumable)")
+
+    add_sample_arguments(p)
+    p.set_defaults(func=cmd_sample)
+
+    add_bench_parser(sub)
+
+    p = sub.add_parser("eval-ppl", help="perplexity of a model (weight variant) on a text file")
+    eval_ppl.add_arguments(p)
+    p.set_defaults(func=eval_ppl.run)
+
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="DATAxMODEL device mesh, e.g. 1x8 or 2x4 (default: all on model "
+        "if that divides the heads, else all on data)",
+    )
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
+    p.set_defaults(func=run_generate)
+
+    add_train_parsers(sub)  # train, train-vocab, validation, test
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        _log(f"hkserve {args.command}: error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`hkserve sample`: completions for a JSONL file of prompts, every slot kept busy.
+
+Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optionally with their own
+max_tokens / temperature / top_p / top_k / min_p / seed / stop / penalties / ignore_eos. Output lines, one per input
+line and in input order: {"id", "text", "finish_reason", "usage"} or {"id", "error"}.
+
+Resumable: results are written strictly in input order, one whole line per write, so after a kill the
+output is a prefix of the final file; a re-run drops a torn last line, skips the ids already written
+and continues. Seeds are per line (its own, or --seed + line index), so a resumed run writes exactly
+what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hkserve.cli.loading import load_runner
+from hkserve.engine.runner import Overloaded, Request
+from hkserve.engine.textstream import TextStream
+
+OVERRIDES = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--input", required=True, help="JSONL prompts")
+    p.add_argument("--output", required=True, help="JSONL results (resumed if it exists)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--mesh", default=None)
+    p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8"], help="weight variant")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _line_key(index: int, record) -> str:
+    """Output id of an input line: its id, or its line number when it has none."""
+    if isinstance(record, dict) and record.get("id") is not None:
+        return json.dumps(record["id"])
+    return json.dumps(f"line {index + 1}")
+
+
+def completed_ids(path: Path) -> set[str]:
+    """Ids already in the output; a torn (unterminated or unparsable) last line is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    done = set()
+    for line in data[:cut].decode().splitlines():
+        done.add(json.dumps(json.loads(line)["id"]))
+    return done
+
+
+class Job:
+    """One input line: its request, or why it cannot run."""
+
+    def __init__(self, index: int, raw: str, args, tokenizer, max_len: int):
+        self.index, self.error, self.request, self.stop = index, None, None, []
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as e:
+            record, self.error = None, f"invalid JSON: {e}"
+        self.key = _line_key(index, record)
+        self.id = json.loads(self.key)
+        if self.error:
+            return
+        try:
+            self._build(record, args, tokenizer, max_len)
+        except (ValueError, TypeError, KeyError) as e:
+            self.error = str(e)
+
+    def _build(self, record, args, tokenizer, max_len):
+        if not isinstance(record, dict):
+            raise ValueError("each line must be a JSON object")
+        if isinstance(record.get("messages"), list):
+            prompt_ids = tokenizer.encode_chat(record["messages"])
+        elif isinstance(record.get("prompt"), str):
+            prompt_ids = tokenizer.encode(record["prompt"])
+        else:
+            raise ValueError('the line needs a string "prompt" or a "messages" list')
+        max_tokens = int(record.get("max_tokens", args.max_tokens))
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + max_tokens > max_len:
+            raise ValueError(
+                f"prompt too long: {len(prompt_ids)} prompt tokens + {max_tokens} to generate "
+                f"exceed the context of {max_len}"
+            )
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": (args.seed + self.index) % 2**32}
+        sampling.update({k: record[k] for k in OVERRIDES if record.get(k) is not None})
+        stop = record.get("stop") or []
+        self.stop = [stop] if isinstance(stop, str) else list(stop)
+        stop_ids = () if record.get("ignore_eos") else tokenizer.stop_ids
+        self.request = Request(prompt_ids, max_tokens, sampling, stop_ids)
+
+
+async def _complete(job: Job, runner, tokenizer) -> dict:
+    if job.error:
+        return {"id": job.id, "error": job.error}
+    while True:
+        try:
+            stream = runner.submit(job.request, asyncio.get_running_loop())
+            break
+        except Overloaded:
+            await asyncio.sleep(0.01)
+        except ValueError as e:
+            return {"id": job.id, "error": str(e)}
+    text, tokens, reason = TextStream(tokenizer, job.stop), 0, None
+    async for event in stream:
+        if event.error:
+            return {"id": job.id, "error": event.error}
+        if event.token is not None and reason is None:
+            tokens += 1
+            if event.token.id not in job.request.stop_ids and text.add(event.token.id).stopped:
+                reason = "stop"
+                runner.cancel(job.request.id)
+        elif event.finish_reason is not None and reason is None:
+            reason = event.finish_reason
+    body = text.text + text.finish()
+    prompt = len(job.request.prompt_ids)
+    return {
+        "id": job.id,
+        "text": body,
+        "finish_reason": reason,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
+    }
+
+
+async def sample_file(runner, tokenizer, max_len: int, args) -> dict:
+    """Run every line not yet in the output; returns counts and timing."""
+    out_path = Path(args.output)
+    done = completed_ids(out_path)
+    lines = [line for line in Path(args.input).read_text().splitlines() if line.strip()]
+    jobs = [Job(i, raw, args, tokenizer, max_len) for i, raw in enumerate(lines)]
+    todo = [j for j in jobs if j.key not in done]
+    window = asyncio.Semaphore(runner.engine.slots + runner.max_queue // 2)  # keep every slot busy, queue bounded
+    results: dict[int, dict] = {}
+    next_to_write = 0
+    started, generated = time.perf_counter(), 0
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), unit="req", disable=args.quiet, file=sys.stderr)
+    with open(out_path, "a") as out:
+
+        async def run(position: int, job: Job):
+            nonlocal next_to_write, generated
+            async with window:
+                results[position] = await _complete(job, runner, tokenizer)
+            generated += results[position].get("usage", {}).get("completion_tokens", 0)
+            while next_to_write in results:  # write the finished prefix, in input order, whole lines
+                out.write(json.dumps(results.pop(next_to_write)) + "\n")
+                out.flush()
+                next_to_write += 1
+                bar.update(1)
+            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.1f}")
+
+        await asyncio.gather(*(run(i, job) for i, job in enumerate(todo)))
+        os.fsync(out.fileno())
+    bar.close()
+    elapsed = time.perf_counter() - started
+    return {"requests": len(todo), "skipped": len(jobs) - len(todo), "seconds": elapsed, "tokens": generated}
+
+
+def run(args) -> int:
+    tokenizer, runner, max_len = load_runner(args, slots=args.slots, start=False, max_queue=max(64, 2 * args.slots))
+    runner.start(warmup=True)
+    try:
+        stats = asyncio.run(sample_file(runner, tokenizer, max_len, args))
+    finally:
+        runner.stop()
+    rate = stats["requests"] / stats["seconds"] if stats["seconds"] else 0.0
+    print(
+        f"{stats['requests']} requests ({stats['skipped']} already done) in {stats['seconds']:.1f}s: "
+        f"{rate:.2f} req/s, {stats['tokens'] / max(stats['seconds'], 1e-9):.1f} output tok/s",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,109 @@
+"""`hkserve serve`: load a model, answer /health with 503 while warming up, serve with uvicorn, drain
+on SIGTERM (stop admitting, let running requests finish, then stop the engine).
+
+Multi-host (server/multihost.py): host 0 runs all of this over a LeaderEngine; the other hosts load
+the same model onto their part of the mesh and replay host 0's engine calls, without HTTP."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import types
+
+import uvicorn
+
+from hkserve.api.app import create_app
+from hkserve.checkpoint.store import ModelStore
+from hkserve.cli.loading import load_engine
+from hkserve.engine.runner import InferenceRunner
+from hkserve.multihost.control import Follower, Leader
+from hkserve.multihost.hosts import HostGroup, LeaderEngine, exit_lost, follow
+
+log = logging.getLogger("hkserve.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but a shutdown signal first turns /health to 503 and refuses new generations."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.hk_app = app
+
+    def handle_exit(self, sig, frame):
+        self.hk_app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("HKSERVE_API_KEY") or None
+    hosts = HostGroup.from_args(args)
+    if hosts:
+        hosts.initialize()
+    engine = load_engine(args, args.slots, hosts)
+    if hosts and hosts.host_id:
+        return run_follower(engine, hosts)
+    serving = types.SimpleNamespace(app=None, runner=None)  # what a lost host must fail, once it exists
+    if hosts:
+        engine = _lead(engine, hosts, serving)
+    runner = InferenceRunner(engine, max_queue=args.max_queue)
+    max_len = engine.max_len
+    app = create_app(
+        runner,
+        ModelStore().tokenizer(args.model),
+        args.model,
+        max_len,
+        api_key=api_key,
+        cors_origins=tuple(args.cors_origin or ()),
+    )
+    serving.app, serving.runner = app, runner
+
+    def warm_up():
+        log.info("compiling prefill buckets and decode windows ...")
+        runner.start(warmup=True)
+        log.info("ready: %s on %d slots, context %d", args.model, runner.engine.slots, max_len)
+
+    threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60, lifespan="off"
+    )
+    server = DrainingServer(config, app)
+    # uvicorn drains on SIGTERM, then re-raises it through the previous handler: make that handler a
+    # no-op so a drained shutdown exits 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        runner.stop()
+        if hosts:
+            engine.close()
+    return 0
+
+
+def _lead(engine, hosts, serving: types.SimpleNamespace):
+    """Accept the other hosts on the control port; losing one fails every request, turns /health 503
+    and ends this process non-zero within seconds (the engine cannot run without the lost host)."""
+
+    def on_lost(host: int, reason: str) -> None:
+        message = f"lost host {host} of {hosts.num_hosts} ({reason})"
+        log.error("%s: failing all requests and exiting", message)
+        if serving.app is not None:
+            serving.app.state.failed = message
+            serving.runner.abort(message)
+            threading.Timer(2.0, exit_lost, (f"host {host}", reason)).start()  # let the errors reach clients
+        else:
+            exit_lost(f"host {host}", reason)
+
+    log.info("host 0: waiting for %d other hosts on control port %d", hosts.num_hosts - 1, hosts.control_port)
+    return LeaderEngine(engine, Leader(hosts.control_port, hosts.num_hosts, on_lost))
+
+
+def run_follower(engine, hosts) -> int:
+    """A host other than 0: replay host 0's engine calls until it stops; exit non-zero if it is lost."""
+    channel = Follower(
+        hosts.leader_host, hosts.control_port, hosts.host_id, on_lost=lambda reason: exit_lost("host 0", reason)
+    )
+    log.info("host %d: following host 0 at %s:%d", hosts.host_id, hosts.leader_host, hosts.control_port)
+    return follow(engine, channel)

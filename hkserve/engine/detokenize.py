@@ -1,0 +1,37 @@
+"""Incremental detokenization: turn a growing list of token ids into text deltas, UTF-8 safe.
+
+Byte-level BPE can split one character over several tokens; decoding a prefix then shows U+FFFD.
+A delta is released only once the text decodes cleanly, and only text not released before.
+"""
+
+from __future__ import annotations
+
+from hkserve.checkpoint.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, context: int = 6):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.context = context  # tokens decoded before the new ones, so word-boundary spaces come out right
+        self.prefix = 0  # start of the decode window in ids
+        self.read = 0  # ids before this index have been released as text
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly complete text (possibly empty)."""
+        self.ids.append(int(token_id))
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # incomplete character, or a token that renders as nothing (special)
+        self.read = len(self.ids)
+        self.prefix = max(0, self.read - self.context)
+        # `before` is a prefix of `after` for these tokenizers; slice by its length.
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end (an unfinished character is emitted as decoded)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        self.read = len(self.ids)
+        return after[len(before) :]

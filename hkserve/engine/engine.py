@@ -1,0 +1,245 @@
+"""The device side of serving (JetStream's "engine"): compiled prefill-into-slot and one decode step
+for all slots over a batched KV memory. No threads, no requests: whoever owns the engine calls it.
+
+Shapes are fixed so compiles are few: prompts are padded to a prefill bucket, and the decode step reads
+the past through an attention window chosen from a few sizes by the longest active slot (tracked on the
+host, so choosing it needs no device sync). The decode state is donated to each call: the KV memory is
+updated in place.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hkserve.model.build import param_shapes
+from hkserve.model.memory import KVMemory, init_memory, reset_slot
+from hkserve.model.model import Model
+from hkserve.model.sampling import SampleOutput, SampleSettings, TokenHistory, empty_history, make_settings, sample
+from hkserve.model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
+from hkserve.model.vq_memory import VQMemory
+
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+class ContextLengthError(ValueError):
+    """A request that cannot fit a slot's context; the message carries both numbers."""
+
+
+class DecodeState(NamedTuple):
+    memory: KVMemory | VQMemory  # by config.memory
+    tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
+    settings: SampleSettings  # [B] per-slot sampling settings ([B, V] logit bias)
+    history: TokenHistory  # [B, V] what the penalties see
+
+
+def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
+    """Attention windows: powers of two from `smallest`, capped by (and always including) max_len."""
+    sizes, w = [], smallest
+    while w < max_len:
+        sizes.append(w)
+        w *= 2
+    return tuple(sizes) + (max_len,)
+
+
+class Engine:
+    """Owns params and the batched decode state on a ("data", "model") mesh.
+
+    Not thread-safe: one thread (the runner's loop) calls it.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        params,
+        slots: int = 1,
+        max_len: int = 2048,
+        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
+        n_top: int = 5,
+        mesh: Mesh | None = None,
+    ):
+        config = model.config
+        if config.vocab_size >= 2**24:
+            raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
+        max_len = min(max_len, config.context_length)
+        self.mesh = mesh or parse_mesh("1x1", devices=jax.devices()[:1])
+        check_slots(slots, self.mesh)
+        self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
+        self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
+        # A VQ memory has no length axis: its step costs the same at any position, one window does.
+        self.windows = (max_len,) if config.memory == "vq" else window_sizes(max_len, min(128, max_len))
+
+        self.param_shardings = param_shardings(param_shapes(config), self.mesh, config)
+        self.params = jax.device_put(params, self.param_shardings)
+        if model.prepare is not None:  # what serving derives from the params once, not in every step
+            shapes = jax.eval_shape(model.prepare, param_shapes(config))
+            self.param_shardings = param_shardings(shapes, self.mesh, config)
+            self.params = jax.jit(model.prepare, out_shardings=self.param_shardings)(self.params)
+        self.state_shardings = self._state_shardings()
+        self.reset()
+        self._compiled: dict = {}
+
+    def reset(self) -> None:
+        """Fresh, empty decode state (all slots free)."""
+        config = self.model.config
+        # Made by a jitted function straight into its shardings: no host or single-device copy of the
+        # memory, and valid when the mesh spans hosts (each host makes only its own shards).
+        make = jax.jit(
+            lambda: DecodeState(
+                init_memory(config, self.slots, self.max_len),
+                jnp.zeros((self.slots,), jnp.int32),
+                jax.tree_util.tree_map(jnp.asarray, make_settings([{}] * self.slots, config.vocab_size)),
+                empty_history(self.slots, config.vocab_size),
+            ),
+            out_shardings=self.state_shardings,
+        )
+        self.state = make()
+        self.positions = np.zeros(self.slots, np.int64)  # host mirror of memory.step
+
+    def _sharding(self, *spec) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*spec))
+
+    def _state_shardings(self) -> DecodeState:
+        rows, table = self._sharding("data"), self._sharding("data", None)
+        settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
+        memory = memory_shardings(self.model.config, self.mesh)
+        return DecodeState(memory, rows, settings, TokenHistory(table, table))
+
+    # -- compiled bodies ------------------------------------------------------------------------
+    def _prefill_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings):
+        """tokens [1, T] (one chunk of one prompt) into slot [1]; attend_len 0 starts the slot afresh."""
+        memory, history = state.memory, state.history
+        t_idx = jnp.arange(tokens.shape[1])
+        seen = jnp.zeros((self.model.config.vocab_size,), bool)
+        seen = seen.at[jnp.where(t_idx < length[0], tokens[0], seen.shape[0])].set(True, mode="drop")
+        if attend_len == 0:
+            memory = reset_slot(memory, slot[0])
+            history = TokenHistory(history.counts.at[slot].set(0), history.in_prompt.at[slot].set(seen))
+        else:
+            history = history._replace(in_prompt=history.in_prompt.at[slot].set(history.in_prompt[slot] | seen))
+        logits, memory = self.model.forward(params, tokens, memory, length, slot, attend_len, True)
+        row_history = TokenHistory(history.counts[slot], history.in_prompt[slot])
+        out = sample(logits, row_settings, memory.step[slot], self.n_top, row_history)
+        settings = jax.tree_util.tree_map(lambda all_, row: all_.at[slot].set(row), state.settings, row_settings)
+        return DecodeState(memory, state.tokens.at[slot].set(out.token), settings, history), pack(out)
+
+    def _step_impl(self, attend_len, params, state: DecodeState, active):
+        """One token for every active slot ([B] bool); idle slots compute but write nothing."""
+        lengths = active.astype(jnp.int32)
+        rows = jnp.arange(self.slots)
+        # The input token was generated by the previous call: count it for the penalties now.
+        history = state.history._replace(counts=state.history.counts.at[rows, state.tokens].add(lengths))
+        logits, memory = self.model.forward(params, state.tokens[:, None], state.memory, lengths, None, attend_len)
+        out = sample(logits[:, 0], state.settings, memory.step, self.n_top, history)
+        tokens = jnp.where(active, out.token, state.tokens)
+        return DecodeState(memory, tokens, state.settings, history), pack(out)
+
+    def _compiled_fn(self, kind: str, attend_len: int):
+        """jit with explicit shardings; static attend_len is bound by partial (jit with in_shardings
+        takes no keyword arguments)."""
+        key = (kind, attend_len)
+        if key not in self._compiled:
+            rep = self._sharding()
+            if kind == "prefill":
+                fn = functools.partial(self._prefill_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep)
+                out_sh = (self.state_shardings, rep)
+            else:
+                # `active` and the sampled tokens are replicated: tiny, and every host can then
+                # pass and read them even when the slots' rows live on other hosts.
+                fn = functools.partial(self._step_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rep)
+                out_sh = (self.state_shardings, rep)
+            self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1,))
+        return self._compiled[key]
+
+    # -- host API -------------------------------------------------------------------------------
+    def _window(self, needed: int) -> int:
+        return self.windows[bisect.bisect_left(self.windows, needed)]
+
+    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_tokens > self.max_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_len} tokens; the request needs "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)"
+            )
+
+    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> PendingTokens:
+        """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
+        (one row)."""
+        self.check_fits(len(prompt_ids))
+        row = make_settings([settings or {}], self.model.config.vocab_size)
+        chunk = self.prefill_buckets[-1]
+        slot_arr = np.asarray([slot], np.int32)
+        for start in range(0, len(prompt_ids), chunk):
+            piece = list(prompt_ids[start : start + chunk])
+            bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))]
+            tokens = np.zeros((1, bucket), np.int32)
+            tokens[0, : len(piece)] = piece
+            fn = self._compiled_fn("prefill", 0 if start == 0 else self._window(start))
+            self.state, out = fn(self.params, self.state, tokens, np.asarray([len(piece)], np.int32), slot_arr, row)
+        self.positions[slot] = len(prompt_ids)
+        return PendingTokens(out)
+
+    def step(self, active: np.ndarray) -> PendingTokens:
+        """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
+        active = np.asarray(active, bool)
+        needed = int(self.positions[active].max()) if active.any() else 1
+        if needed >= self.max_len:
+            raise ContextLengthError(f"a slot reached the context length {self.max_len}")
+        self.state, out = self._compiled_fn("step", self._window(max(needed, 1)))(self.params, self.state, active)
+        self.positions += active
+        return PendingTokens(out)
+
+    def warmup(self) -> None:
+        """Compile every prefill bucket and decode window now, not on the first request."""
+        for bucket in self.prefill_buckets:
+            self.prefill(0, [0] * bucket)
+        only_first = np.eye(self.slots, dtype=bool)[0]
+        for w in self.windows:
+            self.positions[0] = w - 1
+            self.step(only_first).read()
+        self.positions[:] = 0
+
+
+class Token(NamedTuple):
+    """One sampled token as the host sees it."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely alternatives (id, logprob), best first
+
+
+def pack(out: SampleOutput) -> jax.Array:
+    """All of a sample in one float32 array [B, 2 + 2K], so one device→host copy carries it.
+    Token ids are exact in float32 below 2**24."""
+    f32 = jnp.float32
+    return jnp.concatenate(
+        [out.token.astype(f32)[:, None], out.logprob[:, None], out.top_ids.astype(f32), out.top_logprobs], axis=-1
+    )
+
+
+class PendingTokens:
+    """A prefill's or step's sampled tokens on the device, with the host copy already started:
+    `read()` later costs no device wait if the step has finished."""
+
+    def __init__(self, packed: jax.Array):
+        self.packed = packed
+        packed.copy_to_host_async()
+
+    def read(self) -> list[Token]:
+        host = np.asarray(self.packed)
+        k = (host.shape[1] - 2) // 2
+        ids = host[:, 2 : 2 + k].astype(np.int64).tolist()
+        lps = host[:, 2 + k :].tolist()
+        return [Token(int(row[0]), float(row[1]), list(zip(i, lp))) for row, i, lp in zip(host, ids, lps)]

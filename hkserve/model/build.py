@@ -1,0 +1,23 @@
+"""`build_model(config)`: the decoder a config asks for, and the shapes of its params."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from hkserve.model.config import ModelConfig
+from hkserve.model.model import Model
+from hkserve.model.transformer import build_kv_model
+from hkserve.model.vq_model import build_vq_model
+
+
+def build_model(config: ModelConfig) -> Model:
+    """The KV decoder (transformer.py) or, for memory="vq", Transformer-VQ's (vq_model.py)."""
+    return build_vq_model(config) if config.memory == "vq" else build_kv_model(config)
+
+
+@functools.cache
+def param_shapes(config: ModelConfig) -> dict:
+    """{module: {name: ShapeDtypeStruct}} of the params `build_model(config).init` creates."""
+    return jax.eval_shape(build_model(config).init, jax.random.PRNGKey(0))

@@ -1,0 +1,197 @@
+"""One frozen description of a decoder: everything the forward pass needs to know about shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder; optional Mixtral-style MoE FFN; or, with memory="vq", a Transformer-VQ
+    decoder (n_layers x two gated attention units, no FFN; n_heads = H, head_dim = d_k, ffn_dim unused).
+
+    Frozen so it can be a static argument of jitted functions and a dict key of compiled steps.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    context_length: int = 2048  # positions the model was trained for
+    n_experts: int = 0  # 0 = dense SwiGLU MLP
+    n_experts_per_token: int = 2
+    memory: str = "kv"  # "kv" (softmax KV cache) | "vq" (Transformer-VQ: codebook keys, constant-size state)
+    dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
+    # grok-1 options (defaults = plain Llama / Mixtral)
+    attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
+    attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
+    embedding_multiplier: float = 1.0
+    output_multiplier: float = 1.0
+    sandwich_norms: bool = False  # RMSNorm on each sub-block's output too, before the residual add
+    moe_routing: str = (
+        "mixtral"  # mixtral: softmax over the top-k logits | grok: softmax over all, top-k, not renormalised
+    )
+    moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact
+    moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
+    # Transformer-VQ (memory="vq"); docs/transformer-vq.md
+    vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
+    vq_codes: int = 512  # S, codebook size per head
+    vq_block_len: int = 512  # L, training block length (serving takes any block length)
+    vq_mem_len: int = 512  # M, window of exact keys; the position band covers distances 0..M
+    vq_pe_lam: float = 1e5  # lambda of the relative-position sinusoids
+    vq_e_preln: bool = True  # RMSNorm before the output head
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2 and self.memory == "kv":
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
+            raise ValueError(f"n_experts_per_token={self.n_experts_per_token} not in 1..{self.n_experts}")
+        if self.memory not in ("kv", "vq"):
+            raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv', 'vq')")
+        if self.memory == "vq":
+            self._check_vq()
+        if self.dtype not in ("float32", "bfloat16", "int8"):
+            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8)")
+        if self.moe_routing not in ("mixtral", "grok"):
+            raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
+        if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
+            raise ValueError(f"unknown moe_activation {self.moe_activation!r} (silu | gelu | gelu_exact)")
+
+    def _check_vq(self) -> None:
+        sizes = {
+            "vq_value_dim": self.vq_value_dim,
+            "vq_codes": self.vq_codes,
+            "vq_block_len": self.vq_block_len,
+            "vq_mem_len": self.vq_mem_len,
+        }
+        bad = [f"{k}={v}" for k, v in sizes.items() if v <= 0]
+        if bad:
+            raise ValueError(f"memory='vq' needs positive {', '.join(bad)}")
+        if self.dim % 2:
+            raise ValueError(f"dim={self.dim} must be even for the sin|cos position sinusoids")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"memory='vq' has no kv-head grouping: n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads}"
+            )
+        if self.n_experts:
+            raise ValueError("memory='vq' has no FFN, so no experts")
+
+    @property
+    def n_params(self) -> int:
+        """Numbers in the serving param tree (for VQ: learned weights plus the codebooks)."""
+        if self.memory == "vq":
+            return self._vq_n_params()
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
+        per_layer = attn + ffn + (4 if self.sandwich_norms else 2) * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
+
+    def _vq_n_params(self) -> int:
+        h, d, dk, dv, s = self.n_heads, self.dim, self.head_dim, self.vq_value_dim, self.vq_codes
+        gau = (
+            2 * d  # input norm gain and bias
+            + d * h * dk * 2  # q_proj, r_proj
+            + d * h * (dk + 2 * dv)  # kvg_proj
+            + h * dv * d  # o_proj
+            + 2 * h * dk  # xl_u, xl_v
+            + h * s * (dk + 1)
+        )  # codebook c_sum, c_count
+        head = self.vocab_size + (0 if self.tie_embeddings else self.vocab_size * self.dim)  # (+ output bias)
+        return 2 * self.n_layers * gau + self.vocab_size * self.dim + head + (self.dim if self.vq_e_preln else 0)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}  # --weights names → dtypes
+
+
+def grok_config(**changes: Any) -> ModelConfig:
+    """The grok-1 architecture (sandwich norms, capped attention logits, multipliers, MoE with grok's
+    routing and gated-gelu experts, tied embeddings) at the size of the grok fixture; scale with
+    `changes`. grok-1 itself: vocab 131072, dim 6144, 64 layers, 48/8 heads of 128, ffn 32768, 8 experts."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=48,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        context_length=8192,
+        n_experts=8,
+        n_experts_per_token=2,
+        attn_multiplier=0.25,
+        attn_logit_cap=30.0,
+        embedding_multiplier=8.0,
+        output_multiplier=0.5773502691896257,
+        sandwich_norms=True,
+        moe_routing="grok",
+        moe_activation="gelu",
+    )
+    return base.replace(**changes)
+
+
+def tiny_config(**changes: Any) -> ModelConfig:
+    """A small random-weight config for tests: GQA (4 query / 2 kv heads), untied head."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        context_length=256,
+    )
+    return base.replace(**changes)
+
+
+def tiny_vq_config(**changes: Any) -> ModelConfig:
+    """A small random-weight Transformer-VQ config for tests: 2 layers (4 GAUs), 2 heads, 8 codes, window 4."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        context_length=256,
+        memory="vq",
+        vq_value_dim=16,
+        vq_codes=8,
+        vq_block_len=4,
+        vq_mem_len=4,
+    )
+    return base.replace(**changes)

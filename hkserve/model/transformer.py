@@ -1,0 +1,102 @@
+"""The decoder: embeddings, a scanned stack of pre-norm blocks, final norm, output head.
+
+`forward(params, tokens, memory, lengths)` is the one entry point for both prefill and decode:
+row b holds `lengths[b]` real tokens (right-padded to T) placed at positions `memory.step[b] + t`.
+A prefill is T = bucket on an empty slot; a decode step is T = 1 on every slot at its own position,
+with `lengths = 0` for idle slots (nothing written, step unchanged).
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from hkserve.model.config import ModelConfig
+from hkserve.model.layers import MLP, Attention, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
+from hkserve.model.memory import KVMemory, init_memory
+from hkserve.model.model import Model
+
+
+def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool):
+    c = config
+    dtype, ndtype = param_dtype(c), norm_dtype(c)
+    b, t = tokens.shape
+    # Row i of `tokens` belongs to memory slot rows[i]: all slots (decode) or a few (prefill).
+    rows = jnp.arange(b) if slots is None else slots  # [b]
+    past_len = memory.step if slots is None else memory.step[rows]  # [b]
+    positions = past_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, T]
+    embed = Embed(c.vocab_size, c.dim, dtype)
+    x = embed(tokens) * c.embedding_multiplier  # [b, T, D]
+
+    def block(x, layer):
+        # Read this layer's past straight from the memory (no stacked copy of the window is made).
+        k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
+        v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
+        if slots is None:
+            k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
+        else:
+            k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
+        h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, ndtype, "attn_norm")(x), positions, k_past, v_past, past_len)
+        if c.sandwich_norms:
+            h = RMSNorm(c.norm_eps, ndtype, "post_attn_norm")(h)
+        x = x + h
+        ffn = MoE(c) if c.n_experts else MLP(c)
+        h = ffn(RMSNorm(c.norm_eps, ndtype, "mlp_norm")(x))
+        if c.sandwich_norms:
+            h = RMSNorm(c.norm_eps, ndtype, "post_mlp_norm")(h)
+        return x + h, (k_new, v_new)
+
+    stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
+    x, (k_new, v_new) = stack(block)(x, jnp.arange(c.n_layers))  # k_new: [L, b, T, Hkv, Dh]
+
+    # Write the new keys once, outside the scan, so the donated memory is updated in place.
+    # Padding (t >= lengths[b]) goes to index S, which mode="drop" discards.
+    t_idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+    write_pos = jnp.where(t_idx < lengths[:, None], positions, memory.max_len)  # [B, T]
+    memory = KVMemory(
+        k=memory.k.at[:, rows[:, None], write_pos].set(k_new.astype(memory.k.dtype), mode="drop"),
+        v=memory.v.at[:, rows[:, None], write_pos].set(v_new.astype(memory.v.dtype), mode="drop"),
+        step=memory.step.at[rows].add(lengths.astype(jnp.int32)),
+    )
+
+    if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
+        last = jnp.maximum(lengths - 1, 0)
+        x = x[jnp.arange(b), last][:, None, :]  # [B, 1, D]
+    x = RMSNorm(c.norm_eps, ndtype, "final_norm")(x)
+    if c.tie_embeddings:
+        logits = embed.unembed(x)
+    else:
+        logits = Linear(c.vocab_size, dtype, "lm_head")(x)
+    if last_only:
+        logits = logits[:, 0]  # [B, V]
+    return logits * c.output_multiplier, memory
+
+
+def build_kv_model(config: ModelConfig) -> Model:
+    """The KV-memory decoder of `config` (Llama-family, MoE and grok-1 options)."""
+
+    def fn(tokens, memory, lengths, slots, attend_len, last_only):
+        with hk.experimental.name_scope("decoder"):
+            return _decoder(config, tokens, memory, lengths, slots, attend_len, last_only)
+
+    transformed = hk.without_apply_rng(hk.transform(fn))
+
+    def init(rng) -> hk.Params:
+        memory = init_memory(config, 1, 1)
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        return transformed.init(rng, tokens, memory, jnp.ones((1,), jnp.int32), None, 1, False)
+
+    def forward(
+        params, tokens, memory: KVMemory, lengths, slots=None, attend_len: int | None = None, last_only: bool = False
+    ):
+        """tokens: [b, T] int32; lengths: [b]; slots: [b] memory slots of the rows (default: row i is
+        slot i, b = B). Returns (logits [b,T,V], or [b,V] if last_only, and the updated memory).
+
+        `attend_len` (static) bounds how much of the past is read: it must be >= the rows' steps;
+        serving picks it from a few buckets so decode cost follows the context actually in use.
+        """
+        attend_len = memory.max_len if attend_len is None else attend_len
+        return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
+
+    return Model(config=config, init=init, forward=forward)

@@ -1,0 +1,179 @@
+"""One model across several hosts, with JAX's own multi-controller runtime (grok-1's between-hosts mesh).
+
+Every host runs this same program on its local devices; `jax.distributed.initialize` joins them and
+the ("data", "model") mesh spans all hosts: `--mesh` tiles each host's devices, `--hosts-mesh` tiles
+the hosts. Host 0 serves HTTP and owns the schedule; the others have no HTTP and no scheduler: they
+replay, in the same order, every engine call host 0 makes (`LeaderEngine` broadcasts each call over
+the control channel before issuing it, `follow` replays them). The engine's calls are the only
+programs with collectives, so identical call sequences are all it takes for the hosts to agree —
+there is no Python control flow on the followers that could diverge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+from hkserve.engine.engine import ContextLengthError
+from hkserve.model.sharding import parse_mesh
+from hkserve.multihost.control import Follower, Leader
+
+log = logging.getLogger("hkserve.multihost")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostGroup:
+    """Where this process sits among the hosts of one server."""
+
+    coordinator: str  # HOST:PORT of host 0's jax.distributed coordinator
+    num_hosts: int
+    host_id: int
+    hosts_mesh: str  # DATAxMODEL: how the hosts tile the mesh axes
+    control_port: int  # host 0's control channel (default: coordinator port + 1)
+
+    @property
+    def leader_host(self) -> str:
+        return self.coordinator.rsplit(":", 1)[0]
+
+    @classmethod
+    def from_args(cls, args) -> HostGroup | None:
+        """Flags, else HKSERVE_COORDINATOR / HKSERVE_NUM_HOSTS / HKSERVE_HOST_ID / HKSERVE_HOSTS_MESH /
+        HKSERVE_CONTROL_PORT. None when this is a single-host server."""
+        env = os.environ.get
+        coordinator = getattr(args, "coordinator", None) or env("HKSERVE_COORDINATOR")
+        num_hosts = int(getattr(args, "num_hosts", None) or env("HKSERVE_NUM_HOSTS") or 1)
+        if coordinator is None and num_hosts == 1:
+            return None
+        host_id = getattr(args, "host_id", None)
+        host_id = int(host_id if host_id is not None else env("HKSERVE_HOST_ID", "-1"))
+        if coordinator is None or ":" not in coordinator:
+            raise ValueError(f"--coordinator must be HOST:PORT of host 0, got {coordinator!r}")
+        if num_hosts < 1 or not 0 <= host_id < num_hosts:
+            raise ValueError(f"--host-id must be in 0..{num_hosts - 1} (--num-hosts {num_hosts}), got {host_id}")
+        port = int(coordinator.rsplit(":", 1)[1])
+        hosts_mesh = getattr(args, "hosts_mesh", None) or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
+        control = int(env("HKSERVE_CONTROL_PORT") or port + 1)
+        group = cls(coordinator, num_hosts, host_id, hosts_mesh, control)
+        d, m = group.hosts_shape
+        if d * m != num_hosts:
+            raise ValueError(f"--hosts-mesh {hosts_mesh} needs {d * m} hosts, --num-hosts is {num_hosts}")
+        return group
+
+    @property
+    def hosts_shape(self) -> tuple[int, int]:
+        try:
+            d, m = (int(x) for x in self.hosts_mesh.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--hosts-mesh must look like DATAxMODEL (e.g. 2x1), got {self.hosts_mesh!r}") from None
+        return d, m
+
+    def initialize(self) -> None:
+        """Join the other hosts. CPU collectives go through gloo (GPUs use NCCL on their own)."""
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(self.coordinator, num_processes=self.num_hosts, process_id=self.host_id)
+        log.info(
+            "host %d of %d joined %s: %d local / %d global devices",
+            self.host_id,
+            self.num_hosts,
+            self.coordinator,
+            jax.local_device_count(),
+            jax.device_count(),
+        )
+
+    def mesh(self, local: str | None, config=None):
+        """The global ("data", "model") mesh: each host's devices tiled by `local` (default: as
+        `parse_mesh` would on one host), hosts tiled by `hosts_mesh`; a device's host is its process."""
+        local_mesh = parse_mesh(local, config, devices=jax.local_devices())
+        shape = (local_mesh.shape["data"], local_mesh.shape["model"])
+        devices = mesh_utils.create_hybrid_device_mesh(
+            shape, self.hosts_shape, devices=jax.devices(), process_is_granule=True
+        )
+        return Mesh(devices, ("data", "model"))
+
+
+def _call(op: str, **args) -> dict:
+    return {"op": op, **args}
+
+
+class LeaderEngine:
+    """Host 0's engine: the Engine's interface, each device call first sent to the followers.
+
+    Calls are broadcast before they are issued locally, since a multi-host program cannot finish
+    until every host has issued it. Errors raised before any device work (a prompt too long, a bad
+    logit_bias) are raised identically by the followers' replay, which skips them."""
+
+    def __init__(self, engine, leader: Leader):
+        self._engine, self._leader = engine, leader
+
+    def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
+        return getattr(self._engine, name)
+
+    def prefill(self, slot: int, prompt_ids, settings: dict | None = None):
+        self._leader.broadcast(
+            _call("prefill", slot=int(slot), ids=[int(t) for t in prompt_ids], settings=_jsonable(settings or {}))
+        )
+        return self._engine.prefill(slot, prompt_ids, settings)
+
+    def step(self, active):
+        active = np.asarray(active, bool)
+        self._leader.broadcast(_call("step", active=active.tolist()))
+        return self._engine.step(active)
+
+    def reset(self) -> None:
+        self._leader.broadcast(_call("reset"))
+        self._engine.reset()
+
+    def warmup(self) -> None:
+        self._leader.broadcast(_call("warmup"))
+        self._engine.warmup()
+
+    def close(self) -> None:
+        """Tell the followers to exit cleanly, then close the channel."""
+        try:
+            self._leader.broadcast(_call("exit"))
+        except ConnectionError:
+            pass
+        self._leader.close()
+
+
+def _jsonable(settings: dict) -> dict:
+    out = dict(settings)
+    if out.get("logit_bias"):
+        out["logit_bias"] = {str(k): float(v) for k, v in out["logit_bias"].items()}
+    return out
+
+
+def follow(engine, follower: Follower) -> int:
+    """Replay host 0's engine calls until it says exit (0). Host 0's loss ends the process from the
+    channel's reader thread, since this thread may be inside a collective that never completes."""
+    calls = {
+        "prefill": lambda m: engine.prefill(m["slot"], m["ids"], m["settings"]),
+        "step": lambda m: engine.step(np.asarray(m["active"], bool)),
+        "reset": lambda m: engine.reset(),
+        "warmup": lambda m: engine.warmup(),
+    }
+    for message in follower:
+        op = message.get("op")
+        if op == "exit":
+            log.info("host 0 stopped: exiting")
+            return 0
+        if op not in calls:
+            raise RuntimeError(f"unknown control call {op!r} from host 0 (mismatched hkserve versions?)")
+        try:
+            calls[op](message)
+        except (ValueError, ContextLengthError):
+            pass  # host 0 got the same error before any device work, and told its client
+    return 0
+
+
+def exit_lost(who: str, reason: str) -> None:
+    """Leave now, non-zero, naming the lost host: nothing can finish without it."""
+    print(f"hkserve serve: error: lost {who} ({reason}); exiting", file=sys.stderr, flush=True)
+    os._exit(3)
