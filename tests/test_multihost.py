@@ -30,6 +30,7 @@ def _start_hosts(home, port: int) -> list[subprocess.Popen]:
         "HKSERVE_NUM_HOSTS": "2",
         "HKSERVE_HOSTS_MESH": "2x1",
         "HKSERVE_CONTROL_PORT": str(free_port()),
+        "HKSERVE_CONTROL_SECRET": os.urandom(16).hex(),
     }
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
@@ -203,14 +204,18 @@ def test_host_group_from_flags_and_environment(monkeypatch):
         "HKSERVE_HOST_ID",
         "HKSERVE_HOSTS_MESH",
         "HKSERVE_CONTROL_PORT",
+        "HKSERVE_CONTROL_BIND",
+        "HKSERVE_CONTROL_SECRET_FILE",
     ):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HKSERVE_CONTROL_SECRET", "s" * 32)
     assert HostGroup.from_args(args) is None  # one host
     monkeypatch.setenv("HKSERVE_COORDINATOR", "10.0.0.1:7000")
     monkeypatch.setenv("HKSERVE_NUM_HOSTS", "4")
     monkeypatch.setenv("HKSERVE_HOST_ID", "3")
     group = HostGroup.from_args(args)
     assert (group.leader_host, group.control_port, group.hosts_shape) == ("10.0.0.1", 7001, (4, 1))
+    assert (group.control_bind, group.secret) == ("10.0.0.1", b"s" * 32)  # the coordinator's interface only
     args.hosts_mesh, args.host_id = "2x2", 0
     assert HostGroup.from_args(args).hosts_shape == (2, 2) and HostGroup.from_args(args).host_id == 0
     args.hosts_mesh = "3x1"

@@ -97,13 +97,18 @@ def _lead(engine, hosts, serving: types.SimpleNamespace):
             exit_lost(f"host {host}", reason)
 
     log.info("host 0: waiting for %d other hosts on control port %d", hosts.num_hosts - 1, hosts.control_port)
-    return LeaderEngine(engine, Leader(hosts.control_port, hosts.num_hosts, on_lost))
+    leader = Leader(hosts.control_port, hosts.num_hosts, on_lost, hosts.secret, bind=hosts.control_bind)
+    return LeaderEngine(engine, leader)
 
 
 def run_follower(engine, hosts) -> int:
     """A host other than 0: replay host 0's engine calls until it stops; exit non-zero if it is lost."""
     channel = Follower(
-        hosts.leader_host, hosts.control_port, hosts.host_id, on_lost=lambda reason: exit_lost("host 0", reason)
+        hosts.leader_host,
+        hosts.control_port,
+        hosts.host_id,
+        on_lost=lambda reason: exit_lost("host 0", reason),
+        secret=hosts.secret,
     )
     log.info("host %d: following host 0 at %s:%d", hosts.host_id, hosts.leader_host, hosts.control_port)
     return follow(engine, channel)

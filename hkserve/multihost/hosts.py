@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from hkserve.engine.engine import ContextLengthError
 from hkserve.model.sharding import parse_mesh
-from hkserve.multihost.control import Follower, Leader
+from hkserve.multihost.control import Follower, Leader, load_secret
 
 log = logging.getLogger("hkserve.multihost")
 
@@ -37,6 +37,8 @@ class HostGroup:
     host_id: int
     hosts_mesh: str  # DATAxMODEL: how the hosts tile the mesh axes
     control_port: int  # host 0's control channel (default: coordinator port + 1)
+    control_bind: str  # the interface host 0's control port listens on (default: the coordinator's host)
+    secret: bytes = dataclasses.field(repr=False, default=b"")  # shared by all hosts (control.load_secret)
 
     @property
     def leader_host(self) -> str:
@@ -45,7 +47,8 @@ class HostGroup:
     @classmethod
     def from_args(cls, args) -> HostGroup | None:
         """Flags, else HKSERVE_COORDINATOR / HKSERVE_NUM_HOSTS / HKSERVE_HOST_ID / HKSERVE_HOSTS_MESH /
-        HKSERVE_CONTROL_PORT. None when this is a single-host server."""
+        HKSERVE_CONTROL_PORT / HKSERVE_CONTROL_BIND, and the shared secret (control.load_secret). None when
+        this is a single-host server."""
         env = os.environ.get
         coordinator = getattr(args, "coordinator", None) or env("HKSERVE_COORDINATOR")
         num_hosts = int(getattr(args, "num_hosts", None) or env("HKSERVE_NUM_HOSTS") or 1)
@@ -60,7 +63,8 @@ class HostGroup:
         port = int(coordinator.rsplit(":", 1)[1])
         hosts_mesh = getattr(args, "hosts_mesh", None) or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
         control = int(env("HKSERVE_CONTROL_PORT") or port + 1)
-        group = cls(coordinator, num_hosts, host_id, hosts_mesh, control)
+        bind = env("HKSERVE_CONTROL_BIND") or coordinator.rsplit(":", 1)[0]
+        group = cls(coordinator, num_hosts, host_id, hosts_mesh, control, bind, load_secret())
         d, m = group.hosts_shape
         if d * m != num_hosts:
             raise ValueError(f"--hosts-mesh {hosts_mesh} needs {d * m} hosts, --num-hosts is {num_hosts}")
