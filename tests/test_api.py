@@ -196,8 +196,11 @@ def test_api_key_is_required_when_set(serve):
     wrong = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
     validate(wrong.json(), "ErrorResponse")
-    ok = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sekret"})
-    assert ok.status_code == 200
+    for header in ("Bearer sekret", "bearer sekret", "BEARER  sekret"):  # the scheme is case-insensitive
+        ok = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"Authorization": header})
+        assert ok.status_code == 200, header
+    for header in ("Basic sekret", "Bearer sekret2", "Bearer", "sekret", "Bearer SEKRET"):
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": header}).status_code == 401, header
     assert httpx.get(server.url + "/health").status_code == 200
 
 

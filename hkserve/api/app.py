@@ -8,6 +8,7 @@ requests cancelled, so its slots free within one decode step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -50,6 +51,12 @@ class GuardMiddleware:
                 response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _key_matches(authorization: str, api_key: str) -> bool:
+    """'Bearer KEY' (the scheme is case-insensitive, RFC 7235), compared in constant time."""
+    scheme, _, given = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
 def create_app(
@@ -98,7 +105,7 @@ def create_app(
             api_key
             and path not in OPEN_PATHS
             and scope.get("method") != "OPTIONS"
-            and headers.get("authorization", "") != f"Bearer {api_key}"
+            and not _key_matches(headers.get("authorization", ""), api_key)
         ):
             raise APIError(
                 401,

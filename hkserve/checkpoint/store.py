@@ -31,6 +31,15 @@ def store_root() -> Path:
     return Path(os.environ.get("HKSERVE_HOME", "~/.cache/hkserve")).expanduser().absolute()
 
 
+class DamagedModel(ValueError):
+    """A model directory whose files cannot be read (a broken config, truncated params...)."""
+
+    def __init__(self, name: str, reason: str):
+        first_line = (reason.strip().splitlines() or ["unreadable"])[0][:300]
+        super().__init__(f"model {name} is damaged: {first_line}")
+        self.name = name
+
+
 class ModelInfo(NamedTuple):
     name: str
     path: Path
@@ -60,14 +69,28 @@ class ModelStore:
                 f"model {name!r} is not in the store {self.models_dir} (have: {known}); "
                 f"run `hkserve pull` or `hkserve convert`"
             )
-        source = json.loads((path / "source.json").read_text()) if (path / "source.json").is_file() else {}
-        config = ModelConfig.from_json((path / "config.json").read_text())
+        try:
+            source = json.loads((path / "source.json").read_text()) if (path / "source.json").is_file() else {}
+            config = ModelConfig.from_json((path / "config.json").read_text())
+        except (OSError, ValueError, TypeError, KeyError) as e:  # bad JSON, unknown or mistyped fields
+            raise DamagedModel(name, f"{path / 'config.json'}: {type(e).__name__}: {e}") from e
         return ModelInfo(name, path, config, source, (path / "tokenizer" / "tokenizer_config.json").is_file())
 
     def list(self) -> list[ModelInfo]:
-        if not self.models_dir.is_dir():
-            return []
-        return [self.info(p.name) for p in sorted(self.models_dir.iterdir()) if (p / "config.json").is_file()]
+        """The readable models (see `scan` for the damaged ones too)."""
+        return self.scan()[0]
+
+    def scan(self) -> tuple[list[ModelInfo], list[DamagedModel]]:
+        """(readable models, damaged ones): one broken model never hides the others."""
+        models, damaged = [], []
+        if self.models_dir.is_dir():
+            for p in sorted(self.models_dir.iterdir()):
+                if (p / "config.json").is_file():
+                    try:
+                        models.append(self.info(p.name))
+                    except DamagedModel as e:
+                        damaged.append(e)
+        return models, damaged
 
     def tokenizer(self, name: str) -> Tokenizer:
         info = self.info(name)
@@ -92,15 +115,26 @@ class ModelStore:
         kept next to it as params-<dtype>) the first time it is asked for."""
         info = self.info(name)
         config = self.config(name, weights)
-        if config.dtype == info.config.dtype:
-            return restore_params(info.path / "params", config, shardings)
-        path = info.path / f"params-{config.dtype}"
-        if not path.exists():
-            self._make_variant(info, config.dtype, path)
-        return restore_params(path, config, shardings)
+        path = info.path / "params"
+        if config.dtype != info.config.dtype:
+            path = info.path / f"params-{config.dtype}"
+            if not path.exists():
+                self._make_variant(info, config.dtype, path)
+        return self._restore(info, path, config, shardings)
+
+    @staticmethod
+    def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings) -> dict:
+        """Restore, turning any failure to read the stored files (missing, truncated, corrupt: orbax and
+        TensorStore raise many kinds) into one line naming the model."""
+        if not path.is_dir():
+            raise DamagedModel(info.name, f"{path} is missing")
+        try:
+            return restore_params(path, config, shardings)
+        except Exception as e:
+            raise DamagedModel(info.name, f"cannot read {path}: {type(e).__name__}: {e}") from e
 
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
-        master = jax.tree_util.tree_map(np.asarray, restore_params(info.path / "params", info.config))
+        master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", info.config, None))
         _, variant = convert_params(master, info.config, dtype)
         work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
         try:

@@ -43,8 +43,10 @@ def cmd_convert(args) -> int:
 
 
 def cmd_models(args) -> int:
-    models = ModelStore().list()
-    if not models:
+    models, damaged = ModelStore().scan()
+    for problem in damaged:
+        _log(str(problem))
+    if not models and not damaged:
         _log(f"no models in {ModelStore().models_dir}; run `hkserve pull`")
     for m in models:
         c = m.config
