@@ -74,3 +74,16 @@ def test_health_turns_ready_and_sigterm_lets_running_streams_finish(tiny_home):
             proc.kill()
         output = proc.stdout.read()
     assert "Finished server process" in output or "Shutting down" in output, output[-2000:]
+
+
+def test_a_port_in_use_fails_at_once_with_one_line(tiny_home):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = hkserve("serve", "--model", "tiny", "--port", str(port), home=tiny_home, check=False, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == f"hkserve serve: error: port {port} on 127.0.0.1 is already in use"
+    assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
+    assert time.monotonic() - started < 60  # before the model is loaded and compiled

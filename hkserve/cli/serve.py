@@ -1,15 +1,23 @@
 """`hkserve serve`: load a model, answer /health with 503 while warming up, serve with uvicorn, drain
 on SIGTERM (stop admitting, let running requests finish, then stop the engine).
 
+The listening socket is bound before the model loads, so a port in use fails at once with one line.
+While draining the server keeps accepting connections: /health answers 503 "draining" and new
+generations 503, until the runner has nothing running or waiting; only then does uvicorn close the
+socket and finish the open responses. A second SIGTERM/SIGINT stops without waiting.
+
 Multi-host (server/multihost.py): host 0 runs all of this over a LeaderEngine; the other hosts load
 the same model onto their part of the mesh and replay host 0's engine calls, without HTTP."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 import types
 
 import uvicorn
@@ -24,22 +32,55 @@ from hkserve.multihost.hosts import HostGroup, LeaderEngine, exit_lost, follow
 log = logging.getLogger("hkserve.serve")
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but a shutdown signal first turns /health to 503 and refuses new generations."""
+DRAIN_TIMEOUT_S = 300.0  # longest a drain waits for running requests before stopping anyway
 
-    def __init__(self, config: uvicorn.Config, app):
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but a shutdown signal first drains: /health 503, no new generations, running requests
+    finish while the socket still answers; then uvicorn's own graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, app, runner: InferenceRunner):
         super().__init__(config)
-        self.hk_app = app
+        self.hk_app, self.runner = app, runner
 
     def handle_exit(self, sig, frame):
+        if self.hk_app.state.draining:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
         self.hk_app.state.draining = True
+        log.info("draining: waiting for running requests before stopping")
+        threading.Thread(target=self._exit_when_idle, args=(sig, frame), name="hkserve-drain", daemon=True).start()
+
+    def _exit_when_idle(self, sig, frame) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            stats = self.runner.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+            time.sleep(0.05)
         super().handle_exit(sig, frame)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is a clear error before minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise RuntimeError(f"port {port} on {host} {reason}") from None
+    sock.listen(2048)
+    return sock
 
 
 def run_server(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("HKSERVE_API_KEY") or None
     hosts = HostGroup.from_args(args)
+    listener = None if hosts and hosts.host_id else bind_socket(args.host, args.port)
     if hosts:
         hosts.initialize()
     engine = load_engine(args, args.slots, hosts)
@@ -69,12 +110,12 @@ def run_server(args) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60, lifespan="off"
     )
-    server = DrainingServer(config, app)
+    server = DrainingServer(config, app, runner)
     # uvicorn drains on SIGTERM, then re-raises it through the previous handler: make that handler a
     # no-op so a drained shutdown exits 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         runner.stop()
         if hosts:
