@@ -33,7 +33,7 @@ from hkserve.api.protocol import (
     validation_error,
 )
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.engine import check_context
+from hkserve.engine.engine import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 OPEN_PATHS = {"/health", "/metrics"}
@@ -210,7 +210,7 @@ def create_app(
             wanted = requested if requested is not None else max_len - len(ids)
             try:
                 check_context(max_len, len(ids), max(wanted, 1))
-            except ValueError as e:
+            except ContextLengthError as e:
                 raise domain_error(e) from e
             out.append(wanted)
         return out
