@@ -14,6 +14,7 @@ from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
@@ -41,7 +42,9 @@ def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = [t.id for t in runner.generate(Request(prompts[i], max_tokens, {}, stop_ids, logprobs=5))]
+        results[i] = [
+            t.id for t in runner.generate(Request(prompts[i], max_tokens, SamplingParams(), stop_ids, logprobs=5))
+        ]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:

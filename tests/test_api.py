@@ -124,7 +124,7 @@ def test_n_choices_prompt_lists_and_echo(serve):
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["choices"][2]["text"].startswith("b c")
-    assert sorted(req.sampling["seed"] for req in runner.submitted) == [7, 8, 9, 10]
+    assert sorted(req.sampling.seed for req in runner.submitted) == [7, 8, 9, 10]
     assert body["usage"]["prompt_tokens"] == 1 + 2
 
 
@@ -136,6 +136,8 @@ ERROR_CASES = [
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
     ({"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+    ({"prompt": "x", "top_k": 2**31}, 400, "top_k"),  # past the device's int32
+    ({"prompt": "x", "seed": 2**32}, 400, "seed"),
     ({"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"max_tokens": 3}, 400, "prompt"),
@@ -157,6 +159,7 @@ def test_context_length_error_states_both_numbers(serve):
     r = post(server, "/v1/completions", {"prompt": [5] * 200, "max_tokens": 100})
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and "256" in message and "200 prompt tokens" in message and "100" in message
+    assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_invalid_json_tools_and_unknown_fields(serve):

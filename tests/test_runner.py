@@ -15,6 +15,7 @@ from hkserve.engine.runner import InferenceRunner, Overloaded, Request
 from hkserve.model.build import build_model
 from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
@@ -44,7 +45,7 @@ def model_logprobs(prompt) -> np.ndarray:
 
 def test_greedy_and_seeded_tokens_are_identical_alone_or_among_other_requests(runner):
     greedy = Request(PROMPT, 24)
-    seeded = Request(PROMPT[:4], 24, {"temperature": 0.9, "top_p": 0.95, "seed": 1234})
+    seeded = Request(PROMPT[:4], 24, SamplingParams(temperature=0.9, top_p=0.95, seed=1234))
     alone = [ids(runner.generate(greedy)), ids(runner.generate(seeded))]
 
     rng = random.Random(0)
@@ -62,7 +63,7 @@ def test_greedy_and_seeded_tokens_are_identical_alone_or_among_other_requests(ru
                 Request(
                     [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 200))],
                     rng.randrange(1, 30),
-                    {"temperature": rng.choice([0.0, 1.0]), "seed": i},
+                    SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i),
                 ),
                 rng.uniform(0, 0.3),
             ),
@@ -81,16 +82,16 @@ def test_greedy_and_seeded_tokens_are_identical_alone_or_among_other_requests(ru
 
 
 def test_same_seed_same_tokens_and_different_seed_differs(runner):
-    a = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 5})))
-    b = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 5})))
-    c = ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.0, "seed": 6})))
+    a = ids(runner.generate(Request(PROMPT, 16, SamplingParams(temperature=1.0, seed=5))))
+    b = ids(runner.generate(Request(PROMPT, 16, SamplingParams(temperature=1.0, seed=5))))
+    c = ids(runner.generate(Request(PROMPT, 16, SamplingParams(temperature=1.0, seed=6))))
     assert a == b and a != c
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy(runner):
     greedy = ids(runner.generate(Request(PROMPT, 16)))
-    assert ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.3, "top_k": 1, "seed": 3}))) == greedy
-    assert ids(runner.generate(Request(PROMPT, 16, {"temperature": 1.3, "top_p": 1e-6, "seed": 3}))) == greedy
+    assert ids(runner.generate(Request(PROMPT, 16, SamplingParams(temperature=1.3, top_k=1, seed=3)))) == greedy
+    assert ids(runner.generate(Request(PROMPT, 16, SamplingParams(temperature=1.3, top_p=1e-6, seed=3)))) == greedy
 
 
 def test_min_p_filters_unlikely_tokens(runner):
@@ -98,28 +99,28 @@ def test_min_p_filters_unlikely_tokens(runner):
     logprobs = model_logprobs(PROMPT)
     allowed = set(np.flatnonzero(logprobs / 2.0 >= logprobs.max() / 2.0 + np.log(0.5)))
     firsts = {
-        runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "min_p": 0.5, "seed": s}))[0].id for s in range(30)
+        runner.generate(Request(PROMPT, 1, SamplingParams(temperature=2.0, min_p=0.5, seed=s)))[0].id for s in range(30)
     }
     assert firsts <= allowed
-    unfiltered = {runner.generate(Request(PROMPT, 1, {"temperature": 2.0, "seed": s}))[0].id for s in range(30)}
+    unfiltered = {runner.generate(Request(PROMPT, 1, SamplingParams(temperature=2.0, seed=s)))[0].id for s in range(30)}
     assert not unfiltered <= allowed
 
 
 def test_logit_bias_bans_and_forces_tokens(runner):
     greedy = ids(runner.generate(Request(PROMPT, 8)))
-    banned = ids(runner.generate(Request(PROMPT, 8, {"logit_bias": {greedy[0]: -100}})))
+    banned = ids(runner.generate(Request(PROMPT, 8, SamplingParams(logit_bias={greedy[0]: -100}))))
     assert greedy[0] not in banned
-    forced = ids(runner.generate(Request(PROMPT, 8, {"temperature": 1.0, "seed": 1, "logit_bias": {42: 100}})))
+    forced = ids(runner.generate(Request(PROMPT, 8, SamplingParams(temperature=1.0, seed=1, logit_bias={42: 100}))))
     assert forced == [42] * 8
 
 
 def test_penalties_act_on_generated_and_prompt_tokens(runner):
     plain = ids(runner.generate(Request(PROMPT, 24)))
     assert len(set(plain)) < len(plain)  # the random model repeats itself
-    frequency = ids(runner.generate(Request(PROMPT, 24, {"frequency_penalty": 50.0})))
-    presence = ids(runner.generate(Request(PROMPT, 24, {"presence_penalty": 50.0})))
+    frequency = ids(runner.generate(Request(PROMPT, 24, SamplingParams(frequency_penalty=2.0))))
+    presence = ids(runner.generate(Request(PROMPT, 24, SamplingParams(presence_penalty=2.0))))
     assert len(set(frequency)) == len(frequency) == len(set(presence)) == 24
-    repetition = ids(runner.generate(Request(PROMPT, 24, {"repetition_penalty": 1e4})))
+    repetition = ids(runner.generate(Request(PROMPT, 24, SamplingParams(repetition_penalty=1e4))))
     assert not set(repetition) & set(PROMPT) and len(set(repetition)) == 24
 
 

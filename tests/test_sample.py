@@ -135,4 +135,4 @@ def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # n
     assert "text" in out[0] and "text" in out[4] and "error" not in out[0]
     assert "invalid JSON" in out[1]["error"]
     assert "prompt" in out[2]["error"]
-    assert "prompt too long" in out[3]["error"] and "256" in out[3]["error"]
+    assert "maximum context length is 256" in out[3]["error"]

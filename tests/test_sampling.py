@@ -1,12 +1,13 @@
-"""Per-row sampling semantics on the device."""
+"""Per-row sampling semantics on the device, and the one validation of a request's settings."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from hkserve.model.sampling import make_settings, sample
+from hkserve.model.sampling import InvalidSampling, SamplingParams, make_settings, sample
 
 V = 50
 
@@ -27,7 +28,7 @@ def draw(logits, settings_rows, positions=None):
 
 def test_temperature_zero_is_greedy_and_logprobs_are_log_softmax():
     logits = logits_batch(4)
-    out = draw(logits, [{}] * 4)
+    out = draw(logits, [SamplingParams()] * 4)
     np.testing.assert_array_equal(out.token, np.argmax(logits, -1))
     ref = jax.nn.log_softmax(logits)
     np.testing.assert_allclose(out.logprob, ref[np.arange(4), out.token], atol=1e-6)
@@ -37,13 +38,13 @@ def test_temperature_zero_is_greedy_and_logprobs_are_log_softmax():
 
 def test_same_seed_same_tokens_and_rows_independent_of_batch_mates():
     logits = logits_batch(8, seed=1)
-    rows = [{"temperature": 1.0, "seed": s} for s in range(8)]
+    rows = [SamplingParams(temperature=1.0, seed=s) for s in range(8)]
     a = draw(logits, rows).token
     b = draw(logits, rows).token
     np.testing.assert_array_equal(a, b)
     alone = draw(logits[3:4], rows[3:4]).token
     assert int(alone[0]) == int(a[3])
-    other_seeds = draw(logits, [{"temperature": 1.0, "seed": s + 100} for s in range(8)]).token
+    other_seeds = draw(logits, [SamplingParams(temperature=1.0, seed=s + 100) for s in range(8)]).token
     assert not np.array_equal(a, other_seeds)
 
 
@@ -53,10 +54,10 @@ def test_top_k_one_and_tiny_top_p_equal_greedy():
     for pos in range(5):
         positions = jnp.full(6, pos, jnp.int32)
         np.testing.assert_array_equal(
-            draw(logits, [{"temperature": 1.5, "top_k": 1, "seed": 7}] * 6, positions).token, greedy
+            draw(logits, [SamplingParams(temperature=1.5, top_k=1, seed=7)] * 6, positions).token, greedy
         )
         np.testing.assert_array_equal(
-            draw(logits, [{"temperature": 1.5, "top_p": 1e-6, "seed": 7}] * 6, positions).token, greedy
+            draw(logits, [SamplingParams(temperature=1.5, top_p=1e-6, seed=7)] * 6, positions).token, greedy
         )
 
 
@@ -67,7 +68,42 @@ def test_min_p_and_top_k_restrict_the_support():
     seen_min_p, seen_top2 = set(), set()
     for pos in range(200):
         positions = jnp.asarray([pos], jnp.int32)
-        seen_min_p.add(int(draw(logits, [{"temperature": 1.0, "min_p": 0.3, "seed": 1}], positions).token[0]))
-        seen_top2.add(int(draw(logits, [{"temperature": 1.0, "top_k": 2, "seed": 1}], positions).token[0]))
+        seen_min_p.add(int(draw(logits, [SamplingParams(temperature=1.0, min_p=0.3, seed=1)], positions).token[0]))
+        seen_top2.add(int(draw(logits, [SamplingParams(temperature=1.0, top_k=2, seed=1)], positions).token[0]))
     assert seen_min_p == {0, 1, 2}  # p >= 0.3 * 0.4
     assert seen_top2 == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 2**31),  # past int32
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", float("inf")),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("seed", 2**32),  # past uint32
+        ("seed", -1),
+        ("seed", "7"),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {5: 300.0}),
+    ],
+)
+def test_sampling_params_refuse_what_the_device_cannot_hold(field, value):
+    with pytest.raises(InvalidSampling, match=field) as caught:
+        SamplingParams(**{field: value})
+    assert caught.value.param == field and isinstance(caught.value, ValueError)
+
+
+def test_sampling_params_read_json_and_override_only_given_fields():
+    base = SamplingParams(temperature=0.5, seed=3)
+    line = {"top_k": -1, "seed": None, "logit_bias": {"5": -100}, "prompt": "unrelated"}
+    params = base.with_overrides(line)
+    assert params == SamplingParams(temperature=0.5, seed=3, top_k=0, logit_bias={5: -100.0})
+    with pytest.raises(InvalidSampling, match="outside the vocabulary"):
+        params.check_vocab(5)

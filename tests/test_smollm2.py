@@ -10,6 +10,7 @@ from conftest import hkserve
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
+from hkserve.model.sampling import SamplingParams
 
 LOGPROB_TOL = 2e-3
 
@@ -39,7 +40,9 @@ def test_tokenization_matches_reference_for_every_case(smollm2, golden):
 def test_greedy_kv_decoding_equals_reference_tokens_and_top5_logprobs(smollm2, golden, runner):
     tokenizer = smollm2[2]
     for case in golden["cases"]:
-        tokens = runner.generate(Request(case["prompt_ids"], 32, {"temperature": 0.0}, tokenizer.stop_ids, logprobs=5))
+        tokens = runner.generate(
+            Request(case["prompt_ids"], 32, SamplingParams(temperature=0.0), tokenizer.stop_ids, logprobs=5)
+        )
         assert [t.id for t in tokens] == case["greedy_ids"], case["name"]
         for step, (token, reference) in enumerate(zip(tokens, case["top5"])):
             ours = dict(token.top)
@@ -92,7 +95,7 @@ def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smol
         streams = []
         for i in range(200):
             prompt = golden["cases"][i % 4]["prompt_ids"][: rng.randrange(1, 40)]
-            sampling = {"temperature": rng.choice([0.0, 0.8]), "seed": i}
+            sampling = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i)
             streams.append(runner.submit(Request(prompt, rng.randrange(1, 9), sampling, tokenizer.stop_ids)))
         doomed = rng.sample(streams, 60)
 
@@ -124,7 +127,7 @@ def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smol
             time.sleep(0.01)
         assert runner.stats() == (4, 0, 0)
         for case in golden["cases"]:  # still exact afterwards
-            got = runner.generate(Request(case["prompt_ids"], 32, {}, tokenizer.stop_ids))
+            got = runner.generate(Request(case["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))
             assert [t.id for t in got] == case["greedy_ids"], case["name"]
     finally:
         runner.stop()

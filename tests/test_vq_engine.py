@@ -15,6 +15,7 @@ from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
 from hkserve.model.config import tiny_vq_config
 from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_vq_config(vocab_size=96, context_length=4096)
 MODEL = build_model(CONFIG)
@@ -60,7 +61,7 @@ def test_greedy_decode_through_the_engine_equals_recompute(runner):
 
 
 def test_a_request_is_bit_identical_alone_or_among_others_and_slots_are_reset(runner):
-    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 99}
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=99)
     alone = [ids(runner.generate(Request(PROMPT, 20))), ids(runner.generate(Request(PROMPT[:5], 20, seeded)))]
     rng = random.Random(1)
     results = {}
@@ -76,7 +77,7 @@ def test_a_request_is_bit_identical_alone_or_among_others_and_slots_are_reset(ru
                 Request(
                     [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 90))],
                     rng.randrange(1, 30),
-                    {"temperature": 1.0, "seed": i},
+                    SamplingParams(temperature=1.0, seed=i),
                 ),
             ),
         )

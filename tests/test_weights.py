@@ -16,6 +16,7 @@ from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
 from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
 
 TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
@@ -93,7 +94,7 @@ def test_variant_perplexity_within_2_percent_and_greedy_mostly_equal(variants, g
     try:
         matched, total = 0, 0
         for case in golden["cases"]:
-            got = [t.id for t in runner.generate(Request(case["prompt_ids"], 32, {}, tokenizer.stop_ids))]
+            got = [t.id for t in runner.generate(Request(case["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))]
             same = next(
                 (i for i, (a, b) in enumerate(zip(got, case["greedy_ids"])) if a != b),
                 min(len(got), len(case["greedy_ids"])),

@@ -28,10 +28,14 @@ from hkserve.api.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
+    domain_error,
     validation_error,
 )
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.engine.engine import ContextLengthError, check_context
+from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 OPEN_PATHS = {"/health", "/metrics"}
 log = logging.getLogger("hkserve.api")
@@ -211,16 +215,19 @@ def create_app(
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
             wanted = requested if requested is not None else max_len - len(ids)
-            if len(ids) + max(wanted, 1) > max_len:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {max_len} tokens; the request has "
-                    f"{len(ids)} prompt tokens and asks for {wanted}",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            try:
+                check_context(max_len, len(ids), max(wanted, 1))
+            except ContextLengthError as e:
+                raise domain_error(e) from e
             out.append(wanted)
         return out
+
+    def _sampling(body: SamplingFields) -> SamplingParams:
+        """The body's sampling settings; a request without a seed gets a random one."""
+        try:
+            return body.sampling(int.from_bytes(os.urandom(4), "little"))
+        except InvalidSampling as e:
+            raise domain_error(e) from e
 
     async def _run(request: Request, gen: Generation, stream: bool, render_chunk, render_final):
         if stream:
@@ -267,14 +274,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
+        sampling = _sampling(body)
         _check_model(body.model)
         if body.echo and body.logprobs:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
         prompts = [_prompt_ids(p) for p in body.prompts()]
         limits = _limits(prompts, body.max_tokens)
         gen = Generation(runner, tokenizer, metrics, "completion")
-        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-        gen.submit(prompts, body.n, limits, body.sampling(seed), seed, body.stop, body.logprobs or 0, body.ignore_eos)
+        gen.submit(prompts, body.n, limits, sampling, body.stop, body.logprobs or 0, body.ignore_eos)
         echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
         fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
@@ -282,6 +289,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _parse(request, ChatRequest)
+        sampling = _sampling(body)
         _check_model(body.model)
         try:
             prompt = tokenizer.encode_chat(body.template_messages())
@@ -289,9 +297,8 @@ def create_app(
             raise APIError(400, str(e), param="messages") from None
         limits = _limits([prompt], body.token_limit)
         gen = Generation(runner, tokenizer, metrics, "chat")
-        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        gen.submit([prompt], body.n, limits, body.sampling(seed), seed, body.stop, top, body.ignore_eos)
+        gen.submit([prompt], body.n, limits, sampling, body.stop, top, body.ignore_eos)
         fmt = formats.ChatFormat(tokenizer, model_name, body)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
 

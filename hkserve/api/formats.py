@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hkserve.api.generation import Generation, Update
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.engine.engine import Token
 
 
 class _Format:
@@ -49,7 +50,7 @@ class CompletionFormat(_Format):
         self.echo = echo  # prompt texts, when echo is on
         self.offsets: dict[int, int] = {}
 
-    def _logprobs(self, index: int, entries: list) -> dict | None:
+    def _logprobs(self, index: int, entries: list[Token]) -> dict | None:
         if self.body.logprobs is None:  # 0 still means: the chosen tokens' logprobs
             return None
         tokens, lps, tops, offsets = [], [], [], []
@@ -109,7 +110,7 @@ class ChatFormat(_Format):
 
         return {**one(token_id, logprob), "top_logprobs": [one(i, lp) for i, lp in top]}
 
-    def _logprobs(self, entries: list) -> dict | None:
+    def _logprobs(self, entries: list[Token]) -> dict | None:
         if not self.body.logprobs:
             return None
         return {"content": [self._entry(*e) for e in entries], "refusal": None}

@@ -1,5 +1,5 @@
-"""One OpenAI request as a set of runner requests ("choices"): submit them, merge their events,
-turn tokens into text (stop strings, UTF-8), logprobs and usage, in completion or chat shape."""
+"""One OpenAI request as a set of runner requests ("choices"), each read through a Completion (text,
+stop strings, usage): submit them, merge their updates, and count them in the metrics."""
 
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from hkserve.api.metrics import Metrics
-from hkserve.api.protocol import APIError
+from hkserve.api.protocol import domain_error
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.runner import Event, Overloaded, Request, RequestStream
-from hkserve.engine.textstream import TextStream
+from hkserve.engine.completion import Completion, GenerationFailed, usage
+from hkserve.engine.engine import Token
+from hkserve.engine.runner import Event, Overloaded, Request
+from hkserve.model.sampling import SamplingParams
+
+OPENAI_FINISH = {"stop": "stop", "length": "length"}  # OpenAI has no "cancelled": a stopped server ends with "stop"
 
 
 @dataclass
 class Choice:
     index: int
-    stream: RequestStream
-    text: TextStream
-    prompt_len: int
-    tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, logprob)]) per delivered token
+    completion: Completion
+    finish_reason: str | None = None  # as OpenAI names it
     last_token_at: float | None = None
 
 
@@ -34,12 +34,13 @@ class Update:
 
     choice: Choice
     text: str
-    logprobs: list
+    logprobs: list[Token]
     finish_reason: str | None
 
 
 class Generation:
-    """Submits the choices of one HTTP request and yields their updates as the runner produces them."""
+    """Submits the choices of one HTTP request and yields their updates as the runner produces them,
+    adding what only HTTP needs: metrics, OpenAI's finish reasons, domain errors as APIError."""
 
     def __init__(self, runner, tokenizer: Tokenizer, metrics: Metrics, kind: str):
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
@@ -54,49 +55,39 @@ class Generation:
         prompts: list[list[int]],
         n: int,
         max_tokens: list[int],
-        sampling: dict,
-        seed: int,
+        sampling: SamplingParams,
         stop: list[str],
         logprobs: int,
         ignore_eos: bool = False,
     ) -> None:
+        """Choice i of the request samples with seed `sampling.seed + i`."""
         loop = asyncio.get_running_loop()
+        stop_ids = () if ignore_eos else self.tokenizer.stop_ids
         try:
             for p, prompt_ids in enumerate(prompts):
                 for j in range(n):
                     index = p * n + j
-                    stop_ids = () if ignore_eos else self.tokenizer.stop_ids
-                    request = Request(
-                        list(prompt_ids),
-                        max_tokens[p],
-                        {**sampling, "seed": (seed + index) % 2**32},
-                        stop_ids,
-                        logprobs,
-                    )
+                    seeded = replace(sampling, seed=(sampling.seed + index) % 2**32)
+                    request = Request(list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs)
                     stream = self.runner.submit(request, loop)
-                    self.choices.append(Choice(index, stream, TextStream(self.tokenizer, stop), len(prompt_ids)))
-        except Overloaded as e:
+                    completion = Completion(stream, self.tokenizer, self.runner.cancel, stop)
+                    self.choices.append(Choice(index, completion))
+        except (Overloaded, ValueError) as e:  # a full queue, or the runner's own validation
             self.cancel()
-            raise APIError(
-                429, f"the server is overloaded: {e}", "rate_limit_exceeded", headers={"Retry-After": "1"}
-            ) from e
-        except ValueError as e:  # the runner's own validation (context, vocabulary, logprobs)
-            self.cancel()
-            raise APIError(400, str(e)) from e
+            raise domain_error(e) from e
         self.prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, whatever n is
         self.metrics.prompt_tokens.inc(self.prompt_tokens * n)
 
     def cancel(self) -> None:
         for c in self.choices:
-            if c.finish_reason is None:
-                self.runner.cancel(c.stream.request.id)
+            c.completion.cancel()
 
     async def updates(self) -> AsyncIterator[Update]:
         """Updates of all choices, interleaved as they come; ends when every choice finished."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice):
-            async for event in choice.stream:
+            async for event in choice.completion.stream:
                 await merged.put((choice, event))
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
@@ -115,46 +106,36 @@ class Generation:
             self.cancel()  # no-op unless the consumer went away early
 
     def _apply(self, choice: Choice, event: Event) -> Update | None:
-        if event.error:
-            raise APIError(500, f"generation failed: {event.error}", "server_error")
-        if choice.finish_reason is not None:
-            return None  # finished by a stop string: the rest is the engine catching up
+        try:
+            delta = choice.completion.feed(event)
+        except GenerationFailed as e:
+            raise domain_error(e) from e
+        if delta is None:
+            return None
+        if delta.token is not None:
+            self._observe_token(choice)
+        if delta.finish_reason is not None:
+            self._finish(choice, OPENAI_FINISH.get(delta.finish_reason, "stop"))
+        elif not delta.text and not delta.logprobs:
+            return None  # EOS: no text, and no logprob a client sees
+        return Update(choice, delta.text, delta.logprobs, choice.finish_reason)
+
+    def _observe_token(self, choice: Choice) -> None:
         now = time.monotonic()
-        if event.token is not None:
-            token = event.token
-            if choice.tokens == 0:
-                self.metrics.ttft.observe(now - self.started)
-                if choice.stream.admitted_at is not None:
-                    self.metrics.queue_time.observe(
-                        max(0.0, choice.stream.admitted_at - choice.stream.request.submitted_at)
-                    )
-            elif choice.last_token_at is not None:
-                self.metrics.itl.observe(now - choice.last_token_at)
-            choice.last_token_at = now
-            choice.tokens += 1
-            self.metrics.generation_tokens.inc()
-            if token.id in choice.stream.request.stop_ids:
-                return None  # EOS: no text; the finish event follows
-            piece = choice.text.add(token.id)
-            entry = [(token.id, token.logprob, token.top)]
-            if piece.stopped:
-                self._finish(choice, "stop")
-                self.runner.cancel(choice.stream.request.id)
-                return Update(choice, piece.text, entry, "stop")
-            return Update(choice, piece.text, entry, None)
-        reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "stop")
-        self._finish(choice, reason)
-        return Update(choice, choice.text.finish(), [], reason)
+        stream = choice.completion.stream
+        if choice.completion.tokens == 1:
+            self.metrics.ttft.observe(now - self.started)
+            if stream.admitted_at is not None:
+                self.metrics.queue_time.observe(max(0.0, stream.admitted_at - stream.request.submitted_at))
+        elif choice.last_token_at is not None:
+            self.metrics.itl.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+        self.metrics.generation_tokens.inc()
 
     def _finish(self, choice: Choice, reason: str) -> None:
         choice.finish_reason = reason
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.e2e.observe(time.monotonic() - self.started)
 
-    def usage(self) -> dict:
-        completion = sum(c.tokens for c in self.choices)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-        }
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(c.completion.tokens for c in self.choices))

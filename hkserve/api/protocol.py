@@ -6,12 +6,19 @@ the client gets back (tools, structured output): those are refused rather than s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hkserve.engine.completion import GenerationFailed
+from hkserve.engine.engine import ContextLengthError
+from hkserve.engine.runner import Overloaded
+from hkserve.model.sampling import InvalidSampling, SamplingParams
+
 MAX_N = 16
 MAX_STOP = 16
+OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # OpenAI's default temperature; the engine's is greedy
 
 
 class APIError(Exception):
@@ -46,16 +53,17 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1 = off
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**32)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # Sampling: types only. Ranges and defaults are SamplingParams' (None = its default), see sampling().
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -72,16 +80,6 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        for key, value in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
-        return v
-
     @model_validator(mode="after")
     def _checks(self):
         if self.stream_options is not None and not self.stream:
@@ -94,18 +92,9 @@ class SamplingFields(BaseModel):
             raise ValueError("response_format other than text is not supported by this server")
         return self
 
-    def sampling(self, seed: int) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": max(self.top_k, 0),
-            "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "seed": seed,
-            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
-        }
+    def sampling(self, seed: int) -> SamplingParams:
+        """The request's sampling settings, its own seed or else `seed`. Raises InvalidSampling."""
+        return replace(OPENAI_SAMPLING, seed=seed).with_overrides(self.model_dump())
 
 
 class CompletionRequest(SamplingFields):
@@ -198,3 +187,17 @@ def validation_error(exc) -> APIError:
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None)
+
+
+def domain_error(exc: Overloaded | ValueError | GenerationFailed) -> APIError:
+    """An exception of the layers below as the OpenAI error a client gets: bad requests are 400 (a
+    context overflow with OpenAI's code), a full queue is 429, a failed generation is 500."""
+    if isinstance(exc, Overloaded):
+        return APIError(429, f"the server is overloaded: {exc}", "rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
+    if isinstance(exc, InvalidSampling):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"generation failed: {exc}", "server_error")

@@ -33,6 +33,7 @@ from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
 
 WARMUP_STEPS = 2
 
@@ -134,7 +135,7 @@ def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, re
     times = []
     for repeat in range(repeats + 1):
         for slot in range(slots):
-            first = engine.prefill(slot, prompts[slot].tolist(), {"temperature": 0.0})
+            first = engine.prefill(slot, prompts[slot].tolist(), SamplingParams())
         first.read()
         _decode(lambda: engine.step(active), WARMUP_STEPS)
         seconds = _decode(lambda: engine.step(active), steps)

@@ -12,6 +12,7 @@ import numpy as np
 from hkserve.engine.engine import Engine
 from hkserve.model.build import build_model
 from hkserve.model.config import grok_config
+from hkserve.model.sampling import SamplingParams
 
 
 def add_arguments(p) -> None:
@@ -40,7 +41,9 @@ def decode_tok_s(config, params, slots: int, steps: int) -> float:
     engine = Engine(build_model(config), params, slots=slots, max_len=256, prefill_buckets=(32,))
     rng = np.random.default_rng(0)
     for slot in range(slots):  # random prompts spread the routing like real text would
-        engine.prefill(slot, rng.integers(0, config.vocab_size, 24).tolist(), {"temperature": 1.0, "seed": slot})
+        engine.prefill(
+            slot, rng.integers(0, config.vocab_size, 24).tolist(), SamplingParams(temperature=1.0, seed=slot)
+        )
     active = np.ones(slots, bool)
     for _ in range(3):
         engine.step(active).read()

@@ -7,8 +7,9 @@ import sys
 import time
 
 from hkserve.cli.loading import load_runner
-from hkserve.engine.detokenize import IncrementalDetokenizer
+from hkserve.engine.completion import Completion
 from hkserve.engine.runner import Request
+from hkserve.model.sampling import SamplingParams
 
 
 def _log(message: str) -> None:
@@ -25,23 +26,20 @@ def run_generate(args) -> int:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed)
     loaded = time.perf_counter()
 
-    detok = IncrementalDetokenizer(tokenizer)
     arrivals = []  # token arrival times; the first includes the prefill and step compiles
     try:
-        for event in runner.submit(Request(prompt_ids, args.max_tokens, sampling, tokenizer.stop_ids)):
-            if event.error:
-                raise RuntimeError(event.error)
-            if event.token is None:
-                break
-            arrivals.append(time.perf_counter())
-            sys.stdout.write(detok.add(event.token.id))
+        stream = runner.submit(Request(prompt_ids, args.max_tokens, sampling, tokenizer.stop_ids))
+        for delta in Completion(stream, tokenizer, runner.cancel):
+            if delta.token is not None:
+                arrivals.append(time.perf_counter())
+            sys.stdout.write(delta.text)
             sys.stdout.flush()
     finally:
         runner.stop()
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
     timing = (
         f"load {loaded - started:.2f}s, first token {arrivals[0] - loaded:.2f}s (prefill of "

@@ -1,7 +1,8 @@
 """`hkserve sample`: completions for a JSONL file of prompts, every slot kept busy.
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optionally with their own
-max_tokens / temperature / top_p / top_k / min_p / seed / stop / penalties / ignore_eos. Output lines, one per input
+max_tokens / stop / ignore_eos and any field of SamplingParams (temperature, top_p, top_k, min_p, seed,
+penalties, logit_bias). Output lines, one per input
 line and in input order: {"id", "text", "finish_reason", "usage"} or {"id", "error"}.
 
 Resumable: results are written strictly in input order, one whole line per write, so after a kill the
@@ -22,19 +23,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hkserve.cli.loading import load_runner
+from hkserve.engine.completion import Completion, GenerationFailed
+from hkserve.engine.engine import check_context
 from hkserve.engine.runner import Overloaded, Request
-from hkserve.engine.textstream import TextStream
-
-OVERRIDES = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
+from hkserve.model.sampling import SamplingParams
 
 
 def add_arguments(p) -> None:
@@ -102,15 +94,9 @@ class Job:
         else:
             raise ValueError('the line needs a string "prompt" or a "messages" list')
         max_tokens = int(record.get("max_tokens", args.max_tokens))
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) + max_tokens > max_len:
-            raise ValueError(
-                f"prompt too long: {len(prompt_ids)} prompt tokens + {max_tokens} to generate "
-                f"exceed the context of {max_len}"
-            )
-        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": (args.seed + self.index) % 2**32}
-        sampling.update({k: record[k] for k in OVERRIDES if record.get(k) is not None})
+        check_context(max_len, len(prompt_ids), max_tokens)
+        flags = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=(args.seed + self.index) % 2**32)
+        sampling = flags.with_overrides(record)
         stop = record.get("stop") or []
         self.stop = [stop] if isinstance(stop, str) else list(stop)
         stop_ids = () if record.get("ignore_eos") else tokenizer.stop_ids
@@ -128,24 +114,17 @@ async def _complete(job: Job, runner, tokenizer) -> dict:
             await asyncio.sleep(0.01)
         except ValueError as e:
             return {"id": job.id, "error": str(e)}
-    text, tokens, reason = TextStream(tokenizer, job.stop), 0, None
-    async for event in stream:
-        if event.error:
-            return {"id": job.id, "error": event.error}
-        if event.token is not None and reason is None:
-            tokens += 1
-            if event.token.id not in job.request.stop_ids and text.add(event.token.id).stopped:
-                reason = "stop"
-                runner.cancel(job.request.id)
-        elif event.finish_reason is not None and reason is None:
-            reason = event.finish_reason
-    body = text.text + text.finish()
-    prompt = len(job.request.prompt_ids)
+    completion = Completion(stream, tokenizer, runner.cancel, job.stop)
+    try:
+        async for _ in completion:
+            pass
+    except GenerationFailed as e:
+        return {"id": job.id, "error": str(e)}
     return {
         "id": job.id,
-        "text": body,
-        "finish_reason": reason,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "usage": completion.usage(),
     }
 
 

@@ -23,7 +23,15 @@ from jax.sharding import PartitionSpec as P
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import KVMemory, init_memory, reset_slot
 from hkserve.model.model import Model
-from hkserve.model.sampling import SampleOutput, SampleSettings, TokenHistory, empty_history, make_settings, sample
+from hkserve.model.sampling import (
+    SampleOutput,
+    SampleSettings,
+    SamplingParams,
+    TokenHistory,
+    empty_history,
+    make_settings,
+    sample,
+)
 from hkserve.model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
 from hkserve.model.vq_memory import VQMemory
 
@@ -31,7 +39,23 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 class ContextLengthError(ValueError):
-    """A request that cannot fit a slot's context; the message carries both numbers."""
+    """A request that cannot fit a slot's context. One message for every front end (HTTP, the CLI),
+    carrying all the numbers a client needs to shorten it."""
+
+    def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int):
+        super().__init__(
+            f"This model's maximum context length is {max_len} tokens; the request needs "
+            f"{prompt_tokens + max_tokens} ({prompt_tokens} prompt tokens + {max_tokens} to generate)"
+        )
+        self.max_len, self.prompt_tokens, self.max_tokens = max_len, prompt_tokens, max_tokens
+
+
+def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a request whose prompt and generation cannot fit a context of `max_len` tokens."""
+    if prompt_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if prompt_tokens + max_tokens > max_len:
+        raise ContextLengthError(max_len, prompt_tokens, max_tokens)
 
 
 class DecodeState(NamedTuple):
@@ -96,7 +120,7 @@ class Engine:
             lambda: DecodeState(
                 init_memory(config, self.slots, self.max_len),
                 jnp.zeros((self.slots,), jnp.int32),
-                jax.tree_util.tree_map(jnp.asarray, make_settings([{}] * self.slots, config.vocab_size)),
+                jax.tree_util.tree_map(jnp.asarray, make_settings([SamplingParams()] * self.slots, config.vocab_size)),
                 empty_history(self.slots, config.vocab_size),
             ),
             out_shardings=self.state_shardings,
@@ -166,19 +190,13 @@ class Engine:
         return self.windows[bisect.bisect_left(self.windows, needed)]
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if prompt_len + max_tokens > self.max_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_len} tokens; the request needs "
-                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)"
-            )
+        check_context(self.max_len, prompt_len, max_tokens)
 
-    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> PendingTokens:
+    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
         (one row)."""
         self.check_fits(len(prompt_ids))
-        row = make_settings([settings or {}], self.model.config.vocab_size)
+        row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
         chunk = self.prefill_buckets[-1]
         slot_arr = np.asarray([slot], np.int32)
         for start in range(0, len(prompt_ids), chunk):
@@ -196,7 +214,7 @@ class Engine:
         active = np.asarray(active, bool)
         needed = int(self.positions[active].max()) if active.any() else 1
         if needed >= self.max_len:
-            raise ContextLengthError(f"a slot reached the context length {self.max_len}")
+            raise ContextLengthError(self.max_len, needed, 1)
         self.state, out = self._compiled_fn("step", self._window(max(needed, 1)))(self.params, self.state, active)
         self.positions += active
         return PendingTokens(out)

@@ -28,20 +28,9 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.engine.engine import ContextLengthError, Engine, PendingTokens, Token
+from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
-
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "logit_bias",
-)
 
 
 class Overloaded(RuntimeError):
@@ -52,7 +41,7 @@ class Overloaded(RuntimeError):
 class Request:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict = field(default_factory=dict)  # SAMPLING_FIELDS; missing = neutral
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # default: greedy
     stop_ids: tuple[int, ...] = ()  # finishing tokens (EOS and any stop token ids)
     logprobs: int = 0  # top alternatives wanted per token
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -167,6 +156,7 @@ class InferenceRunner:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        request.sampling.check_vocab(vocab)
         if request.logprobs > self.engine.n_top:
             raise ValueError(f"at most {self.engine.n_top} top logprobs are available, {request.logprobs} requested")
         if self._stop.is_set():
@@ -235,9 +225,8 @@ class InferenceRunner:
             request = stream.request
             spent += len(request.prompt_ids)
             stream.admitted_at = time.monotonic()
-            settings = {k: request.sampling.get(k) for k in SAMPLING_FIELDS}
             try:
-                pending = self.engine.prefill(slot, request.prompt_ids, settings)
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
             except (ValueError, ContextLengthError) as e:
                 self._finish(None, stream, "error", str(e))
                 continue

@@ -7,14 +7,19 @@ draws the same tokens alone or among others.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 NEG_INF = -jnp.inf
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+MAX_REPETITION_PENALTY = 1e6  # far past any useful value, well inside float32
 
 
 class SampleSettings(NamedTuple):
@@ -44,32 +49,101 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array  # [B, K] float32
 
 
-DEFAULTS = {
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "seed": 0,
-}
+class InvalidSampling(ValueError):
+    """A sampling parameter the device cannot honour; `param` names it (the HTTP layer reports it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
-def make_settings(rows: Sequence[dict], vocab_size: int) -> SampleSettings:
-    """Host-side constructor: one dict per row with any of the fields above; `logit_bias` is a
-    {token_id: bias} dict. Missing or None fields take their neutral value."""
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens, from the request's edge down to the device row.
+
+    Defined and validated once: a value the device's arrays cannot hold (a top_k past int32, a seed
+    past uint32, a NaN) is refused here, as InvalidSampling (a ValueError), before it is queued."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off (-1, as in vLLM, is taken as 0)
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias; JSON's string ids are read
+
+    def __post_init__(self) -> None:
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidSampling(name, f"{name} must be a number, got {value!r}")
+            if not (lo < value if lo_open else lo <= value) or not value <= hi:
+                lower = f"greater than {lo}" if lo_open else f"at least {lo}"
+                raise InvalidSampling(name, f"{name} must be {lower} and at most {hi}, got {value}")
+            return float(value)
+
+        def integer(name: str, lo: int, hi: int) -> int:
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidSampling(name, f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise InvalidSampling(name, f"{name} must be in [{lo}, {hi}], got {value}")
+            return value
+
+        set_ = functools.partial(object.__setattr__, self)
+        set_("temperature", number("temperature", 0.0, 100.0))
+        set_("top_p", number("top_p", 0.0, 1.0, lo_open=True))
+        set_("top_k", max(integer("top_k", -1, INT32_MAX), 0))
+        set_("min_p", number("min_p", 0.0, 1.0))
+        set_("presence_penalty", number("presence_penalty", -2.0, 2.0))
+        set_("frequency_penalty", number("frequency_penalty", -2.0, 2.0))
+        set_("repetition_penalty", number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True))
+        set_("seed", integer("seed", 0, UINT32_MAX))
+        set_("logit_bias", _logit_bias(self.logit_bias))
+
+    def with_overrides(self, values: Mapping[str, Any]) -> SamplingParams:
+        """These settings, with each field that `values` (a request body, a JSONL line) gives, not None."""
+        given = {f.name: values[f.name] for f in fields(self) if values.get(f.name) is not None}
+        return replace(self, **given)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidSampling(
+                "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, Mapping):
+        raise InvalidSampling("logit_bias", f"logit_bias must map token ids to biases, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise InvalidSampling("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise InvalidSampling("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}")
+        out[key] = float(value)
+    return out
+
+
+def make_settings(rows: Sequence[SamplingParams], vocab_size: int) -> SampleSettings:
+    """Host-side constructor: one row per request (empty slots take SamplingParams())."""
 
     def col(name, dtype):
-        return np.asarray([DEFAULTS[name] if r.get(name) is None else r[name] for r in rows], dtype)
+        return np.asarray([getattr(r, name) for r in rows], dtype)
 
     bias = np.zeros((len(rows), vocab_size), np.float32)
     for i, r in enumerate(rows):
-        for token, value in (r.get("logit_bias") or {}).items():
-            token = int(token)
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})")
-            bias[i, token] = float(value)
+        r.check_vocab(vocab_size)
+        for token, value in r.logit_bias.items():
+            bias[i, token] = value
     return SampleSettings(
         temperature=col("temperature", np.float32),
         top_p=col("top_p", np.float32),

@@ -22,6 +22,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from hkserve.engine.engine import ContextLengthError
+from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import parse_mesh
 from hkserve.multihost.control import Follower, Leader, load_secret
 
@@ -119,9 +120,10 @@ class LeaderEngine:
     def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
         return getattr(self._engine, name)
 
-    def prefill(self, slot: int, prompt_ids, settings: dict | None = None):
+    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
+        settings = settings or SamplingParams()
         self._leader.broadcast(
-            _call("prefill", slot=int(slot), ids=[int(t) for t in prompt_ids], settings=_jsonable(settings or {}))
+            _call("prefill", slot=int(slot), ids=[int(t) for t in prompt_ids], settings=dataclasses.asdict(settings))
         )
         return self._engine.prefill(slot, prompt_ids, settings)
 
@@ -147,18 +149,11 @@ class LeaderEngine:
         self._leader.close()
 
 
-def _jsonable(settings: dict) -> dict:
-    out = dict(settings)
-    if out.get("logit_bias"):
-        out["logit_bias"] = {str(k): float(v) for k, v in out["logit_bias"].items()}
-    return out
-
-
 def follow(engine, follower: Follower) -> int:
     """Replay host 0's engine calls until it says exit (0). Host 0's loss ends the process from the
     channel's reader thread, since this thread may be inside a collective that never completes."""
     calls = {
-        "prefill": lambda m: engine.prefill(m["slot"], m["ids"], m["settings"]),
+        "prefill": lambda m: engine.prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
         "reset": lambda m: engine.reset(),
         "warmup": lambda m: engine.warmup(),
