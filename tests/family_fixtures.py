@@ -46,9 +46,14 @@ def jitted_forward(model):
     return jax.jit(model.forward, static_argnums=(5, 6))
 
 
-def full_logits(model, params, ids) -> np.ndarray:
-    """[B, T, V] logits of the whole of `ids` [B, T] in one forward on an empty memory."""
+def full_logits(model, params, ids, pad_to: int = 0) -> np.ndarray:
+    """[B, T, V] logits of the whole of `ids` [B, T] in one forward on an empty memory; padded to
+    `pad_to` positions (causal attention keeps padding out) so calls of any length share a compile."""
     ids = np.asarray(ids, np.int32)
-    memory = init_memory(model.config, ids.shape[0], ids.shape[1])
-    lengths = np.full(ids.shape[0], ids.shape[1], np.int32)
-    return np.asarray(jitted_forward(model)(params, ids, memory, lengths, None, ids.shape[1], False)[0])
+    b, t = ids.shape
+    width = max(t, pad_to)
+    tokens = np.zeros((b, width), np.int32)
+    tokens[:, :t] = ids
+    memory = init_memory(model.config, b, width)
+    logits, _ = jitted_forward(model)(params, tokens, memory, np.full(b, t, np.int32), None, width, False)
+    return np.asarray(logits)[:, :t]
