@@ -78,3 +78,14 @@ def test_weight_variants_and_sharding_rules_cover_biases_and_qk_norms(name, dtyp
     assert specs["decoder/layers/attention/q_proj"]["w"] == jax.sharding.PartitionSpec(None, None, "model")
     assert set(specs) == set(param_shapes(variant_config))
     param_specs(param_shapes(config), parse_mesh("1x1"), config)
+
+
+def test_final_logit_soft_cap_is_applied():
+    """The fixture's logits stay far below Gemma 2's cap of 30 (tanh is then within 1e-4 of the identity),
+    so the cap is checked here with a cap the logits reach."""
+    config, params = load_hf(fixture("hf", "tiny-gemma2"))
+    ids = reference("tiny-gemma2")["input_ids"]
+    uncapped = full_logits(build_model(config.replace(final_logit_cap=0.0)), params, ids)
+    capped = full_logits(build_model(config.replace(final_logit_cap=0.25)), params, ids)
+    assert np.abs(uncapped).max() > 0.5
+    np.testing.assert_allclose(capped, 0.25 * np.tanh(uncapped / 0.25), atol=1e-5, rtol=0)

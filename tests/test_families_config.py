@@ -97,3 +97,10 @@ def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path):
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(ImportFormatError, match="model-00002-of-00003"):
         load_hf(tmp_path)
+
+
+def test_qwen_window_only_with_use_sliding_window():
+    base = {k: v for k, v in hf_config("tiny-qwen2").items() if k != "layer_types"} | {"sliding_window": 4}
+    assert config_from_hf(base).sliding_window == 0
+    on = config_from_hf(base | {"use_sliding_window": True, "max_window_layers": 1})
+    assert on.layer_windows() == (0, 4)
