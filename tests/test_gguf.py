@@ -15,7 +15,8 @@ import sentencepiece as spm
 from conftest import hkserve, require_fixtures
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from hkserve.checkpoint.gguf_import import load_gguf, open_gguf
+from hkserve.checkpoint.gguf_import import load_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
 from hkserve.checkpoint.store import ModelStore
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.model.build import build_model

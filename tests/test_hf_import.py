@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import require_fixtures
 
-from hkserve.checkpoint.hf import config_from_hf, load_hf
+from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request

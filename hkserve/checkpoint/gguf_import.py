@@ -1,4 +1,11 @@
-"""Import a llama-architecture GGUF file: dequantize with the `gguf` package, un-permute q/k rows."""
+"""Import a GGUF file (llama.cpp's tensor names and layouts) onto the decoder.
+
+Per architecture, as llama.cpp's convert_hf_to_gguf.py writes them: llama's attn_q/attn_k rows are
+permuted for llama.cpp's interleaved RoPE (undone here; qwen2, qwen3, gemma2, gemma3 and phi3 use the
+NeoX rotate-half layout and are stored as in HF); Gemma's norm weights are stored with its +1 added
+(taken off here: the decoder adds it, config.norm_offset); phi3 keeps q|k|v fused in attn_qkv and
+gate|up in ffn_up. Tensors are dequantized one at a time; one the mapping does not use is an error.
+"""
 
 from __future__ import annotations
 
@@ -8,64 +15,10 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import dequantize, field, open_gguf
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
 from hkserve.model.config import ModelConfig
-
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    path = Path(path)
-    if not path.is_file():
-        raise ImportFormatError(f"no such GGUF file: {path}")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct/IndexError, ... on damaged files
-        raise ImportFormatError(f"{path.name} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def field(reader: gguf.GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
-    arch = field(reader, "general.architecture", "unknown")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ImportFormatError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def need(key: str):
-        value = field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ImportFormatError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(field(reader, f"{arch}.rope.dimension_count", dim // heads))
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    vocab = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-    names = {t.name for t in reader.tensors}
-    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ImportFormatError(f"unsupported RoPE scaling {scaling!r}")
-    return ModelConfig(
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=int(need("block_count")),
-        n_heads=heads,
-        n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        ffn_dim=int(field(reader, f"{arch}.expert_feed_forward_length", None) or need("feed_forward_length")),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        context_length=int(field(reader, f"{arch}.context_length", 2048)),
-        n_experts=int(field(reader, f"{arch}.expert_count", 0) or 0),
-        n_experts_per_token=int(field(reader, f"{arch}.expert_used_count", 2) or 2),
-        dtype=dtype,
-    )
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -78,9 +31,65 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+class _Tensors:
+    """Reader tensors by name, dequantized on demand; remembers which were never asked for."""
+
+    def __init__(self, reader: gguf.GGUFReader, norm_offset: float):
+        self._by_name = {t.name: t for t in reader.tensors}
+        self.unread = set(self._by_name) - {"rope_freqs.weight"}  # that one is read into the config
+        self.norm_offset = norm_offset
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._by_name:
+            raise ImportFormatError(f"GGUF lacks tensor {name}")
+        self.unread.discard(name)
+        return dequantize(self._by_name[name])
+
+    def norm(self, name: str) -> np.ndarray:
+        """A norm weight as the decoder stores it (Gemma: without the +1 llama.cpp added)."""
+        return self.get(name) - np.float32(self.norm_offset)
+
+
+def _attention(t: _Tensors, p: str, arch: str, config: ModelConfig) -> dict:
+    if arch == "phi3":
+        q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        q, k, v = np.split(t.get(p + "attn_qkv.weight"), [q_rows, q_rows + kv_rows])
+    else:
+        q, k, v = (t.get(p + f"attn_{x}.weight") for x in "qkv")
+    if arch == "llama":
+        q, k = unpermute_rope_rows(q, config.n_heads), unpermute_rope_rows(k, config.n_kv_heads)
+    layer = {"q_proj": q.T, "k_proj": k.T, "v_proj": v.T, "o_proj": t.get(p + "attn_output.weight").T}
+    if config.qkv_bias:
+        layer.update({f"{x}_bias": t.get(p + f"attn_{x}.bias") for x in "qkv"})
+    if config.qk_norm:
+        layer.update({f"{x}_norm": t.norm(p + f"attn_{x}_norm.weight") for x in "qk"})
+    return layer
+
+
+def _norms(t: _Tensors, p: str, config: ModelConfig) -> dict:
+    norms = {"attn_norm": t.norm(p + "attn_norm.weight"), "mlp_norm": t.norm(p + "ffn_norm.weight")}
+    if config.sandwich_norms:
+        norms["post_attn_norm"] = t.norm(p + "post_attention_norm.weight")
+        norms["post_mlp_norm"] = t.norm(p + "post_ffw_norm.weight")
+    return norms
+
+
+def _ffn(t: _Tensors, p: str, arch: str, config: ModelConfig) -> dict:
+    if config.n_experts:  # stacked experts: [E, out, in]
+        return {
+            "router": t.get(p + "ffn_gate_inp.weight").T,
+            "expert_gate": t.get(p + "ffn_gate_exps.weight").swapaxes(1, 2),
+            "expert_up": t.get(p + "ffn_up_exps.weight").swapaxes(1, 2),
+            "expert_down": t.get(p + "ffn_down_exps.weight").swapaxes(1, 2),
+        }
+    if arch == "phi3":  # ffn_up rows: [gate | up]
+        gate, up = np.split(t.get(p + "ffn_up.weight"), 2)
+    else:
+        gate, up = t.get(p + "ffn_gate.weight"), t.get(p + "ffn_up.weight")
+    return {"gate_proj": gate.T, "up_proj": up.T, "down_proj": t.get(p + "ffn_down.weight").T}
 
 
 def load_gguf(
@@ -89,41 +98,15 @@ def load_gguf(
     """→ (ModelConfig, Haiku params as numpy, the open reader for the tokenizer)."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
-    raw = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
-        try:
-            raw[t.name] = _dequantize(t)
-        except (NotImplementedError, ValueError) as e:
-            raise ImportFormatError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
-
-    def take(name: str) -> np.ndarray:
-        try:
-            return raw[name]
-        except KeyError:
-            raise ImportFormatError(f"GGUF lacks tensor {name}") from None
-
+    arch = field(reader, "general.architecture")
+    t = _Tensors(reader, config.norm_offset)
     layers = []
-    for i in range(config.n_layers):
+    for i in tqdm(range(config.n_layers), desc="dequantize", unit="layer", disable=not progress):
         p = f"blk.{i}."
-        layer = {
-            "attn_norm": take(p + "attn_norm.weight"),
-            "q_proj": unpermute_rope_rows(take(p + "attn_q.weight"), config.n_heads).T,
-            "k_proj": unpermute_rope_rows(take(p + "attn_k.weight"), config.n_kv_heads).T,
-            "v_proj": take(p + "attn_v.weight").T,
-            "o_proj": take(p + "attn_output.weight").T,
-            "mlp_norm": take(p + "ffn_norm.weight"),
-        }
-        if config.n_experts:  # stacked experts: [E, out, in]
-            layer["router"] = take(p + "ffn_gate_inp.weight").T
-            layer["expert_gate"] = take(p + "ffn_gate_exps.weight").swapaxes(1, 2)
-            layer["expert_up"] = take(p + "ffn_up_exps.weight").swapaxes(1, 2)
-            layer["expert_down"] = take(p + "ffn_down_exps.weight").swapaxes(1, 2)
-        else:
-            layer["gate_proj"] = take(p + "ffn_gate.weight").T
-            layer["up_proj"] = take(p + "ffn_up.weight").T
-            layer["down_proj"] = take(p + "ffn_down.weight").T
-        layers.append(layer)
-    tensors = {"embed": take("token_embd.weight"), "final_norm": take("output_norm.weight"), "layers": layers}
+        layers.append({**_norms(t, p, config), **_attention(t, p, arch, config), **_ffn(t, p, arch, config)})
+    tensors = {"embed": t.get("token_embd.weight"), "final_norm": t.norm("output_norm.weight"), "layers": layers}
     if not config.tie_embeddings:
-        tensors["lm_head"] = take("output.weight").T
+        tensors["lm_head"] = t.get("output.weight").T
+    if t.unread:
+        raise ImportFormatError(f"{arch}: tensors this importer does not use: {', '.join(sorted(t.unread)[:5])}")
     return config, assemble_params(config, tensors), reader

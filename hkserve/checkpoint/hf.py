@@ -1,4 +1,10 @@
-"""Import a Hugging Face checkpoint directory (config.json + *.safetensors): Llama and Mixtral."""
+"""Import a Hugging Face checkpoint directory (config.json + safetensors, one file or sharded):
+Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 (hf_config.py reads the config).
+
+Tensors are read layer by layer from their byte ranges (safetensors_dir.py); a tensor the checkpoint
+holds but no mapping below uses is an error, so an unsupported weight (an o_proj bias, say) is never
+silently dropped.
+"""
 
 from __future__ import annotations
 
@@ -6,86 +12,63 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
+from hkserve.checkpoint.hf_config import config_from_hf, family_of
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
+from hkserve.checkpoint.safetensors_dir import SafetensorsDir
 from hkserve.model.config import ModelConfig
 
-SUPPORTED = {"LlamaForCausalLM", "MixtralForCausalLM", "MistralForCausalLM"}
+# Buffers some checkpoints carry that are recomputed, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
-    arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
-    if arch not in SUPPORTED:
-        raise ImportFormatError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(SUPPORTED))})")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ImportFormatError(f"unsupported rope_type {rope_type!r} (only default RoPE)")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ImportFormatError("attention/mlp biases are not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ImportFormatError(f"unsupported hidden_act {cfg['hidden_act']!r} (SwiGLU needs silu)")
-    heads = cfg["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        ffn_dim=cfg["intermediate_size"],
-        rope_theta=float(theta),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
-        n_experts=int(cfg.get("num_local_experts", 0) or 0),
-        n_experts_per_token=int(cfg.get("num_experts_per_tok", 2) or 2),
-        dtype=dtype,
-    )
+def _attention(t: SafetensorsDir, p: str, family: str, config: ModelConfig) -> dict:
+    """q/k/v/o [in, out] (Phi-3's fused qkv_proj split by rows), biases and q/k norms."""
+    if family == "phi3":
+        q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        q, k, v = np.split(t.get(p + "self_attn.qkv_proj.weight"), [q_rows, q_rows + kv_rows])
+    else:
+        q, k, v = (t.get(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+    layer = {"q_proj": q.T, "k_proj": k.T, "v_proj": v.T, "o_proj": t.get(p + "self_attn.o_proj.weight").T}
+    if config.qkv_bias:
+        layer.update({f"{x}_bias": t.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"})
+    if config.qk_norm:
+        layer.update({f"{x}_norm": t.get(p + f"self_attn.{x}_norm.weight") for x in "qk"})
+    return layer
 
 
-def _read_safetensors(directory: Path) -> dict[str, np.ndarray]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ImportFormatError(f"no *.safetensors in {directory}")
-    tensors = {}
-    for f in files:
-        with safe_open(str(f), framework="numpy") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is no dict)
-                tensors[key] = sf.get_tensor(key)
-    return tensors
+def _norms(t: SafetensorsDir, p: str, family: str) -> dict:
+    """Llama's post_attention_layernorm is the MLP's input norm; Gemma's is the attention output's."""
+    if family in ("gemma2", "gemma3"):
+        return {
+            "attn_norm": t.get(p + "input_layernorm.weight"),
+            "post_attn_norm": t.get(p + "post_attention_layernorm.weight"),
+            "mlp_norm": t.get(p + "pre_feedforward_layernorm.weight"),
+            "post_mlp_norm": t.get(p + "post_feedforward_layernorm.weight"),
+        }
+    return {"attn_norm": t.get(p + "input_layernorm.weight"), "mlp_norm": t.get(p + "post_attention_layernorm.weight")}
 
 
-def _layer(t: dict, i: int, config: ModelConfig) -> dict:
-    p = f"model.layers.{i}."
-
-    def take(name: str) -> np.ndarray:
-        try:
-            return t[p + name]
-        except KeyError:
-            raise ImportFormatError(f"missing tensor {p + name}") from None
-
-    layer = {
-        "attn_norm": take("input_layernorm.weight"),
-        "q_proj": take("self_attn.q_proj.weight").T,
-        "k_proj": take("self_attn.k_proj.weight").T,
-        "v_proj": take("self_attn.v_proj.weight").T,
-        "o_proj": take("self_attn.o_proj.weight").T,
-        "mlp_norm": take("post_attention_layernorm.weight"),
-    }
+def _ffn(t: SafetensorsDir, p: str, family: str, config: ModelConfig) -> dict:
     if config.n_experts:
         experts = range(config.n_experts)
-        layer["router"] = take("block_sparse_moe.gate.weight").T
-        layer["expert_gate"] = np.stack([take(f"block_sparse_moe.experts.{e}.w1.weight").T for e in experts])
-        layer["expert_up"] = np.stack([take(f"block_sparse_moe.experts.{e}.w3.weight").T for e in experts])
-        layer["expert_down"] = np.stack([take(f"block_sparse_moe.experts.{e}.w2.weight").T for e in experts])
+        moe = p + "block_sparse_moe."
+        return {
+            "router": t.get(moe + "gate.weight").T,
+            "expert_gate": np.stack([t.get(moe + f"experts.{e}.w1.weight").T for e in experts]),
+            "expert_up": np.stack([t.get(moe + f"experts.{e}.w3.weight").T for e in experts]),
+            "expert_down": np.stack([t.get(moe + f"experts.{e}.w2.weight").T for e in experts]),
+        }
+    if family == "phi3":  # gate_up_proj rows: [gate | up]
+        gate, up = np.split(t.get(p + "mlp.gate_up_proj.weight"), 2)
     else:
-        layer["gate_proj"] = take("mlp.gate_proj.weight").T
-        layer["up_proj"] = take("mlp.up_proj.weight").T
-        layer["down_proj"] = take("mlp.down_proj.weight").T
-    return layer
+        gate, up = t.get(p + "mlp.gate_proj.weight"), t.get(p + "mlp.up_proj.weight")
+    return {"gate_proj": gate.T, "up_proj": up.T, "down_proj": t.get(p + "mlp.down_proj.weight").T}
+
+
+def _layer(t: SafetensorsDir, i: int, family: str, config: ModelConfig) -> dict:
+    p = f"model.layers.{i}."
+    return {**_norms(t, p, family), **_attention(t, p, family, config), **_ffn(t, p, family, config)}
 
 
 def load_hf(directory: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
@@ -94,15 +77,20 @@ def load_hf(directory: str | Path, dtype: str = "float32") -> tuple[ModelConfig,
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise ImportFormatError(f"{directory} has no config.json")
-    config = config_from_hf(json.loads(cfg_path.read_text()), dtype)
-    t = _read_safetensors(directory)
+    raw = json.loads(cfg_path.read_text())
+    config = config_from_hf(raw, dtype)
+    family = family_of(raw)
+    t = SafetensorsDir(directory)
     tensors = {
-        "embed": t["model.embed_tokens.weight"],
-        "final_norm": t["model.norm.weight"],
-        "layers": [_layer(t, i, config) for i in range(config.n_layers)],
+        "embed": t.get("model.embed_tokens.weight"),
+        "layers": [_layer(t, i, family, config) for i in range(config.n_layers)],
+        "final_norm": t.get("model.norm.weight"),
     }
     if not config.tie_embeddings:
-        if "lm_head.weight" not in t:
-            raise ImportFormatError("config has untied embeddings but no lm_head.weight")
-        tensors["lm_head"] = t["lm_head.weight"].T
+        tensors["lm_head"] = t.get("lm_head.weight").T
+    else:
+        t.unread.discard("lm_head.weight")  # a tied model's saved copy of the embeddings: transformers ties it too
+    left = sorted(n for n in t.unread if not n.endswith(_IGNORED_SUFFIXES))
+    if left:
+        raise ImportFormatError(f"{family}: tensors this importer does not use: {', '.join(left[:5])}")
     return config, assemble_params(config, tensors)

@@ -13,10 +13,26 @@ from safetensors.numpy import save_file
 
 from hkserve.model.config import ModelConfig
 
+# The family options hf_checkpoint_tensors cannot express, at their plain-Llama values.
+_LLAMA_DEFAULTS = {
+    "mlp_activation": "silu",
+    "qkv_bias": False,
+    "qk_norm": False,
+    "norm_offset": 0.0,
+    "final_logit_cap": 0.0,
+    "rope_freq_factors": (),
+    "sliding_window": 0,
+    "sliding_layers": (),
+    "rope_local_theta": 0.0,
+}
+
 
 def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
     """Our param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
-    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. float32."""
+    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. float32.
+    Llama and Mixtral layouts only: a config with another family's options is refused."""
+    if config != config.replace(**_LLAMA_DEFAULTS):
+        raise ValueError("only Llama/Mixtral-style configs can be written as an HF checkpoint")
 
     def get(module: str, name: str) -> np.ndarray:
         return np.asarray(params[module][name], np.float32)

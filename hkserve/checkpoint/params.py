@@ -3,6 +3,8 @@
 Importers speak one neutral layout, independent of the file format:
   {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only),
    "layers": [ {"attn_norm": [D], "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
+                optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh], "q_norm", "k_norm": [Dh],
+                "post_attn_norm", "post_mlp_norm": [D],
                 "mlp_norm": [D], "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
                 or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D]}
      per layer ]}
@@ -28,6 +30,11 @@ _LAYER_PATHS = {
     "k_proj": ("decoder/layers/attention/k_proj", "w"),
     "v_proj": ("decoder/layers/attention/v_proj", "w"),
     "o_proj": ("decoder/layers/attention/o_proj", "w"),
+    "q_bias": ("decoder/layers/attention/q_proj", "b"),
+    "k_bias": ("decoder/layers/attention/k_proj", "b"),
+    "v_bias": ("decoder/layers/attention/v_proj", "b"),
+    "q_norm": ("decoder/layers/attention/q_norm", "scale"),
+    "k_norm": ("decoder/layers/attention/k_norm", "scale"),
     "mlp_norm": ("decoder/layers/mlp_norm", "scale"),
     "post_attn_norm": ("decoder/layers/post_attn_norm", "scale"),
     "post_mlp_norm": ("decoder/layers/post_mlp_norm", "scale"),

@@ -19,7 +19,7 @@ from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from hkserve.checkpoint.gguf_import import field
+from hkserve.checkpoint.gguf_reader import field
 from hkserve.checkpoint.params import ImportFormatError
 
 # GGUF token types (same numbering as sentencepiece piece types).

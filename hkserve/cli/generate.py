@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from hkserve.cli.generate_ids import run_generate_ids
 from hkserve.cli.loading import load_runner
 from hkserve.engine.completion import Completion
 from hkserve.engine.runner import Request
@@ -18,6 +19,10 @@ def _log(message: str) -> None:
 
 def run_generate(args) -> int:
     """Complete one prompt, printing the text as it comes (stdout) and the timings (stderr)."""
+    if args.ids is not None or args.output_ids:
+        return run_generate_ids(args)
+    if args.prompt is None:
+        raise ValueError("give a PROMPT or --ids")
     started = time.perf_counter()
     tokenizer, runner, _ = load_runner(args, slots=1)
     if args.chat:

@@ -1,4 +1,4 @@
-"""`hkserve` command line: pull | convert | models | serve | sample | bench | eval-ppl | generate, and the
+"""`hkserve` command line: pull | convert | models | serve | sample | bench | eval-ppl | generate | logits, and the
 training commands of train/cli.py (train | train-vocab | validation | test).
 
 Results go to stdout, everything else (progress, timings, logs) to stderr, so output can be piped.
@@ -12,7 +12,7 @@ import sys
 from hkserve.bench.engine import add_bench_parser
 from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
-from hkserve.cli import eval_ppl
+from hkserve.cli import eval_ppl, logits
 from hkserve.cli.generate import run_generate
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=eval_ppl.run)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=None, help="text; or --ids")
+    p.add_argument("--ids", default=None, help="prompt as comma-separated token ids (no tokenizer needed)")
+    p.add_argument("--output-ids", action="store_true", help="print the generated ids, comma-separated")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
@@ -139,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
     p.set_defaults(func=run_generate)
+
+    p = sub.add_parser("logits", help="float32 logits of a full forward pass at every position")
+    logits.add_arguments(p)
+    p.set_defaults(func=logits.run_logits)
 
     add_train_parsers(sub)  # train, train-vocab, validation, test
     return parser

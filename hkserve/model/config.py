@@ -41,6 +41,16 @@ class ModelConfig:
     )
     moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact
     moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
+    # Options of other families (defaults = plain Llama); docs in README "Supported model families"
+    mlp_activation: str = "silu"  # dense MLP's gate: silu (SwiGLU) | gelu (tanh approximation: Gemma's GeGLU)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + scale): Gemma stores w for 1 + w
+    final_logit_cap: float = 0.0  # cap * tanh(logit / cap) on the output logits (Gemma 2); 0 = off
+    rope_freq_factors: tuple[float, ...] = ()  # divisors of the head_dim/2 RoPE frequencies (Llama 3); () = none
+    sliding_window: int = 0  # keys a sliding layer sees, its own position included (Mistral, Gemma); 0 = none
+    sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide? (n_layers entries when sliding_window > 0)
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
     vq_codes: int = 512  # S, codebook size per head
@@ -66,6 +76,21 @@ class ModelConfig:
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
         if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
             raise ValueError(f"unknown moe_activation {self.moe_activation!r} (silu | gelu | gelu_exact)")
+        if self.mlp_activation not in ("silu", "gelu"):
+            raise ValueError(f"unknown mlp_activation {self.mlp_activation!r} (silu | gelu)")
+        self._check_attention_options()
+
+    def _check_attention_options(self) -> None:
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 0")
+        if self.sliding_window and len(self.sliding_layers) != self.n_layers:
+            raise ValueError(f"sliding_window needs sliding_layers with one entry per layer ({self.n_layers})")
+        if not self.sliding_window and any(self.sliding_layers):
+            raise ValueError("sliding_layers without a sliding_window")
+        if self.memory == "vq" and (self.sliding_window or self.qkv_bias or self.qk_norm or self.rope_freq_factors):
+            raise ValueError("memory='vq' has none of the KV decoder's attention options")
 
     def _check_vq(self) -> None:
         sizes = {
@@ -86,12 +111,25 @@ class ModelConfig:
         if self.n_experts:
             raise ValueError("memory='vq' has no FFN, so no experts")
 
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer: how many keys (own position included) it attends to; 0 = all (full attention)."""
+        if not self.sliding_window:
+            return (0,) * self.n_layers
+        return tuple(self.sliding_window if slides else 0 for slides in self.sliding_layers)
+
+    def layer_rope_thetas(self) -> tuple[float, ...]:
+        """Per layer: the RoPE base (sliding layers may have their own)."""
+        local = self.rope_local_theta or self.rope_theta
+        return tuple(local if w else self.rope_theta for w in self.layer_windows())
+
     @property
     def n_params(self) -> int:
         """Numbers in the serving param tree (for VQ: learned weights plus the codebooks)."""
         if self.memory == "vq":
             return self._vq_n_params()
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         per_layer = attn + ffn + (4 if self.sandwich_norms else 2) * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
@@ -123,7 +161,8 @@ class ModelConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown config fields: {sorted(unknown)}")
-        return cls(**data)
+        # JSON has no tuples; the config must stay hashable
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}  # --weights names → dtypes

@@ -1,4 +1,5 @@
-"""Decoder building blocks as Haiku modules: RMSNorm, RoPE, GQA attention over a KV memory, SwiGLU, MoE.
+"""Decoder building blocks as Haiku modules: linear maps (float, bf16 or int8), embeddings, RMSNorm,
+the gated MLP (SwiGLU / GeGLU) and MoE. Attention and RoPE are in attention.py.
 
 Parameter names follow one scheme (`q_proj/w`, `mlp/gate_proj/w`, ...) that the checkpoint importers
 target; linear weights are stored [in, out].
@@ -80,16 +81,21 @@ def _init(fan_in: int):
 
 
 class Linear(hk.Module):
-    """y = x @ w without bias; accumulates in float32 whatever the storage dtype."""
+    """y = x @ w (+ b); accumulates in float32 whatever the storage dtype. The bias, if any, is stored
+    in `bias_dtype` (float32 next to int8 weights)."""
 
-    def __init__(self, out_dim: int, dtype, name: str):
+    def __init__(self, out_dim: int, dtype, name: str, bias_dtype=None):
         super().__init__(name=name)
         self.out_dim = out_dim
         self.dtype = dtype
+        self.bias_dtype = bias_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
-        return qdot(x, w, scale)
+        y = qdot(x, w, scale)
+        if self.bias_dtype is not None:
+            y = y + hk.get_parameter("b", [self.out_dim], self.bias_dtype, init=jnp.zeros).astype(F32)
+        return y
 
 
 class Embed(hk.Module):
@@ -118,85 +124,30 @@ class Embed(hk.Module):
 
 
 class RMSNorm(hk.Module):
-    def __init__(self, eps: float, dtype, name: str):
+    """x / rms(x) * (offset + scale) in float32; offset 1 is Gemma's form (it stores scale - 1)."""
+
+    def __init__(self, eps: float, dtype, name: str, offset: float = 0.0):
         super().__init__(name=name)
         self.eps = eps
         self.dtype = dtype
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = hk.get_parameter("scale", [x.shape[-1]], self.dtype, init=jnp.ones)
         x = x.astype(F32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * scale.astype(F32)
+        return x * (self.offset + scale.astype(F32))
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, rotate-half layout (Hugging Face's; GGUF q/k rows are un-permuted to it).
-
-    x: [B, T, H, Dh]; positions: [B, T].
-    """
-    dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=F32) / dh))  # [Dh/2]
-    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, Dh/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    half = dh // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
-
-
-class Attention(hk.Module):
-    """Grouped-query attention of T new tokens over the memory's past keys plus themselves.
-
-    The past (`k_past`, read-only) and the new keys are scored separately and normalised by one
-    softmax, so the memory is read but never rewritten inside the layer scan: the caller writes the
-    new keys into the (donated) memory once, after all layers.
-    """
-
-    def __init__(self, config: ModelConfig, name: str = "attention"):
-        super().__init__(name=name)
-        self.c = config
-
-    def __call__(self, x, positions, k_past, v_past, past_len):
-        """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys).
-
-        Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
-        """
-        c = self.c
-        dtype = param_dtype(c)
-        b, t, _ = x.shape
-        groups = c.n_heads // c.n_kv_heads
-        q = Linear(c.n_heads * c.head_dim, dtype, "q_proj")(x).reshape(b, t, c.n_heads, c.head_dim)
-        k = Linear(c.n_kv_heads * c.head_dim, dtype, "k_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-        v = Linear(c.n_kv_heads * c.head_dim, dtype, "v_proj")(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-        q = rope(q, positions, c.rope_theta) * (c.attn_multiplier or c.head_dim**-0.5)
-        k = rope(k, positions, c.rope_theta)
-        q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
-
-        neg = jnp.finfo(F32).min
-
-        def cap(scores):  # grok-1's soft cap on the attention logits
-            return c.attn_logit_cap * jnp.tanh(scores / c.attn_logit_cap) if c.attn_logit_cap else scores
-
-        new_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k))  # [B, Hkv, G, T, T]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        new_scores = jnp.where(causal, new_scores, neg)
-        w = k_past.shape[1]
-        if w:
-            past_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k_past.astype(F32)))  # [B, Hkv, G, T, W]
-            seen = jnp.arange(w)[None, :] < past_len[:, None]  # [B, W]
-            past_scores = jnp.where(seen[:, None, None, None, :], past_scores, neg)
-            scores = jnp.concatenate([past_scores, new_scores], axis=-1)
-            values = jnp.concatenate([v_past.astype(F32), v], axis=1)  # [B, W+T, Hkv, Dh]
-        else:
-            scores, values = new_scores, v
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhgts,bshd->bthgd", probs, values).reshape(b, t, c.n_heads * c.head_dim)
-        out = Linear(c.dim, dtype, "o_proj")(out)
-        return out, k, v
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+}
 
 
 class MLP(hk.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); act silu (SwiGLU) or tanh-approximated gelu (GeGLU)."""
 
     def __init__(self, config: ModelConfig, name: str = "mlp"):
         super().__init__(name=name)
@@ -206,14 +157,7 @@ class MLP(hk.Module):
         dtype = param_dtype(self.c)
         gate = Linear(self.c.ffn_dim, dtype, "gate_proj")(x)
         up = Linear(self.c.ffn_dim, dtype, "up_proj")(x)
-        return Linear(self.c.dim, dtype, "down_proj")(jax.nn.silu(gate) * up)
-
-
-_ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
-}
+        return Linear(self.c.dim, dtype, "down_proj")(_ACTIVATIONS[self.c.mlp_activation](gate) * up)
 
 
 class MoE(hk.Module):

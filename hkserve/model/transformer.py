@@ -12,8 +12,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from hkserve.model.attention import Attention
 from hkserve.model.config import ModelConfig
-from hkserve.model.layers import MLP, Attention, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
+from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
 from hkserve.model.memory import KVMemory, init_memory
 from hkserve.model.model import Model
 
@@ -29,7 +30,11 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     embed = Embed(c.vocab_size, c.dim, dtype)
     x = embed(tokens) * c.embedding_multiplier  # [b, T, D]
 
-    def block(x, layer):
+    def norm(name: str):
+        return RMSNorm(c.norm_eps, ndtype, name, c.norm_offset)
+
+    def block(x, per_layer):
+        layer, window, theta = per_layer
         # Read this layer's past straight from the memory (no stacked copy of the window is made).
         k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
         v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
@@ -37,18 +42,23 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
             k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
         else:
             k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
-        h, k_new, v_new = Attention(c)(RMSNorm(c.norm_eps, ndtype, "attn_norm")(x), positions, k_past, v_past, past_len)
+        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta)
         if c.sandwich_norms:
-            h = RMSNorm(c.norm_eps, ndtype, "post_attn_norm")(h)
+            h = norm("post_attn_norm")(h)
         x = x + h
         ffn = MoE(c) if c.n_experts else MLP(c)
-        h = ffn(RMSNorm(c.norm_eps, ndtype, "mlp_norm")(x))
+        h = ffn(norm("mlp_norm")(x))
         if c.sandwich_norms:
-            h = RMSNorm(c.norm_eps, ndtype, "post_mlp_norm")(h)
+            h = norm("post_mlp_norm")(h)
         return x + h, (k_new, v_new)
 
     stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
-    x, (k_new, v_new) = stack(block)(x, jnp.arange(c.n_layers))  # k_new: [L, b, T, Hkv, Dh]
+    per_layer = (
+        jnp.arange(c.n_layers),
+        jnp.asarray(c.layer_windows(), jnp.int32),
+        jnp.asarray(c.layer_rope_thetas(), F32),
+    )
+    x, (k_new, v_new) = stack(block)(x, per_layer)  # k_new: [L, b, T, Hkv, Dh]
 
     # Write the new keys once, outside the scan, so the donated memory is updated in place.
     # Padding (t >= lengths[b]) goes to index S, which mode="drop" discards.
@@ -63,18 +73,21 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
         last = jnp.maximum(lengths - 1, 0)
         x = x[jnp.arange(b), last][:, None, :]  # [B, 1, D]
-    x = RMSNorm(c.norm_eps, ndtype, "final_norm")(x)
+    x = norm("final_norm")(x)
     if c.tie_embeddings:
         logits = embed.unembed(x)
     else:
         logits = Linear(c.vocab_size, dtype, "lm_head")(x)
     if last_only:
         logits = logits[:, 0]  # [B, V]
-    return logits * c.output_multiplier, memory
+    logits = logits * c.output_multiplier
+    if c.final_logit_cap:
+        logits = c.final_logit_cap * jnp.tanh(logits / c.final_logit_cap)
+    return logits, memory
 
 
 def build_kv_model(config: ModelConfig) -> Model:
-    """The KV-memory decoder of `config` (Llama-family, MoE and grok-1 options)."""
+    """The KV-memory decoder of `config` (Llama-family, MoE, grok-1, Qwen, Gemma and Phi-3 options)."""
 
     def fn(tokens, memory, lengths, slots, attend_len, last_only):
         with hk.experimental.name_scope("decoder"):

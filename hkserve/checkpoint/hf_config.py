@@ -1,0 +1,185 @@
+"""A Hugging Face config.json → ModelConfig, for the families of families.py.
+
+Every key is either read, known not to change the forward pass (NEUTRAL), or refused: a checkpoint
+whose config asks for something the decoder does not implement is an error, never served as if the
+key were absent.
+"""
+
+from __future__ import annotations
+
+from hkserve.checkpoint.families import DEFAULT_SLIDING_PATTERN, FAMILY_OPTIONS, llama3_freq_factors, sliding_by_pattern
+from hkserve.checkpoint.params import ImportFormatError
+from hkserve.model.config import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+
+# Keys with no effect on the logits of a forward pass (training, generation defaults, bookkeeping).
+NEUTRAL = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "cache_implementation", "initializer_range",
+    "attention_dropout", "embd_pdrop", "resid_pdrop", "pretraining_tp", "output_router_logits",
+    "router_aux_loss_coef", "router_jitter_noise", "max_window_layers", "original_max_position_embeddings",
+}  # fmt: skip
+# Keys every family reads.
+COMMON = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "hidden_act",
+    "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias", "sliding_window", "layer_types",
+}  # fmt: skip
+GEMMA_KEYS = {
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
+    "use_bidirectional_attention",
+}  # fmt: skip
+FAMILY_KEYS = {
+    "mixtral": {"num_local_experts", "num_experts_per_tok"},
+    "qwen2": {"use_sliding_window"},
+    "qwen3": {"use_sliding_window"},
+    "gemma2": GEMMA_KEYS,
+    "gemma3": GEMMA_KEYS,
+    "phi3": {"partial_rotary_factor"},
+}
+ROPE_KEYS = {
+    "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings", "partial_rotary_factor",
+}  # fmt: skip
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu"}  # HF names → ModelConfig.mlp_activation
+
+
+def _refuse(family: str, what: str) -> ImportFormatError:
+    return ImportFormatError(f"{family}: {what} is not supported (refusing to import rather than ignore it)")
+
+
+def _rope(family: str, rope: dict, theta: float, head_dim: int) -> tuple[float, tuple[float, ...]]:
+    """One RoPE parameter dict → (theta, frequency factors)."""
+    unknown = set(rope) - ROPE_KEYS
+    if unknown:
+        raise _refuse(family, f"RoPE parameter(s) {sorted(unknown)}")
+    theta = float(rope.get("rope_theta", theta))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(family, f"partial_rotary_factor {rope['partial_rotary_factor']}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, ()
+    if kind == "llama3":
+        factors = llama3_freq_factors(
+            head_dim,
+            theta,
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+        return theta, factors
+    raise _refuse(family, f"rope_type {kind!r} (supported: default, llama3)")
+
+
+def _rope_options(family: str, cfg: dict, head_dim: int) -> dict:
+    """rope_theta, rope_freq_factors and rope_local_theta from either config form: transformers 5's
+    `rope_parameters` (per layer type for Gemma 3) or the older top-level rope_theta / rope_scaling /
+    rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta", 10000.0 if family != "gemma3" else 1e6))
+    local = float(cfg.get("rope_local_base_freq", 10000.0)) if family == "gemma3" else 0.0
+    if "full_attention" in params or "sliding_attention" in params:
+        theta, factors = _rope(family, params.get("full_attention", {}), theta, head_dim)
+        local, local_factors = _rope(family, params.get("sliding_attention", {}), local or theta, head_dim)
+        if local_factors:
+            raise _refuse(family, "RoPE scaling on sliding layers")
+    else:
+        theta, factors = _rope(family, params, theta, head_dim)
+    return {"rope_theta": theta, "rope_freq_factors": factors, "rope_local_theta": local}
+
+
+def _sliding_options(family: str, cfg: dict, n_layers: int) -> dict:
+    """sliding_window and sliding_layers: from `layer_types` when given, else the family's pattern
+    (Gemma), or every layer (Mistral, Phi-3; Qwen only with use_sliding_window, from max_window_layers)."""
+    window = int(cfg.get("sliding_window") or cfg.get("sliding_window_size") or 0)
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = 0  # transformers ignores the window then
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown or len(types) != n_layers:
+            raise _refuse(family, f"layer_types {types}")
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif family in DEFAULT_SLIDING_PATTERN:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        sliding = sliding_by_pattern(n_layers, int(pattern or DEFAULT_SLIDING_PATTERN[family]))
+    elif family in ("qwen2", "qwen3"):
+        sliding = tuple(i >= int(cfg.get("max_window_layers", 0)) for i in range(n_layers))
+    else:
+        sliding = (True,) * n_layers
+    if not window or not any(sliding):
+        return {"sliding_window": 0, "sliding_layers": ()}
+    return {"sliding_window": window, "sliding_layers": sliding}
+
+
+def _gemma_options(family: str, cfg: dict) -> dict:
+    if cfg.get("use_bidirectional_attention"):
+        raise _refuse(family, "use_bidirectional_attention")
+    return {
+        "attn_multiplier": float(cfg["query_pre_attn_scalar"]) ** -0.5,
+        "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5,
+        "attn_logit_cap": float(cfg.get("attn_logit_softcapping") or 0.0),
+        "final_logit_cap": float(cfg.get("final_logit_softcapping") or 0.0),
+    }
+
+
+def family_of(cfg: dict) -> str:
+    """The family (a key of FAMILY_OPTIONS) of an HF config, by its architecture name."""
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
+    if arch not in ARCHITECTURES:
+        raise ImportFormatError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[arch]
+
+
+def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
+    family = family_of(cfg)
+    unknown = set(cfg) - NEUTRAL - COMMON - FAMILY_KEYS.get(family, set())
+    if unknown:
+        raise _refuse(family, f"config field(s) {sorted(unknown)}")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise _refuse(family, "attention_bias/mlp_bias (biases on the output or MLP projections)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise _refuse(family, f"activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+    if family in ("gemma2", "gemma3") and act != "gelu_pytorch_tanh":
+        raise _refuse(family, f"activation {act!r} (Gemma's MLP is gelu_pytorch_tanh)")
+    if family == "phi3" and cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(family, f"partial_rotary_factor {cfg['partial_rotary_factor']}")
+    heads, n_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    options = {
+        **FAMILY_OPTIONS[family],
+        **_rope_options(family, cfg, head_dim),
+        **_sliding_options(family, cfg, n_layers),
+        **(_gemma_options(family, cfg) if family in ("gemma2", "gemma3") else {}),
+    }
+    if family not in ("gemma2", "gemma3"):
+        options["moe_activation" if family == "mixtral" else "mlp_activation"] = ACTIVATIONS[act]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        ffn_dim=cfg["intermediate_size"],
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
+        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        n_experts=int(cfg.get("num_local_experts", 0) or 0),
+        n_experts_per_token=int(cfg.get("num_experts_per_tok", 2) or 2),
+        dtype=dtype,
+        **options,
+    )

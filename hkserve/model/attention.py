@@ -1,0 +1,108 @@
+"""Grouped-query attention over a KV memory, with RoPE, optional q/k/v biases, per-head q/k RMSNorm,
+a soft cap on the scores and a sliding window.
+
+The window and the RoPE base arrive per call as traced scalars, since the decoder scans its layers
+and layers may differ in both (Gemma 2/3 alternate sliding and full layers, Gemma 3's sliding layers
+have their own RoPE base).
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from hkserve.model.config import ModelConfig
+from hkserve.model.layers import F32, Linear, RMSNorm, norm_dtype, param_dtype
+
+
+def rope_frequencies(config: ModelConfig, theta: jax.Array) -> jax.Array:
+    """Inverse frequencies [Dh/2] for RoPE base `theta`, divided by config.rope_freq_factors if any
+    (Llama 3's frequency scaling, as llama.cpp applies it from its rope_freqs tensor)."""
+    dh = config.head_dim
+    inv_freq = 1.0 / (jnp.asarray(theta, F32) ** (jnp.arange(0, dh, 2, dtype=F32) / dh))
+    if config.rope_freq_factors:
+        inv_freq = inv_freq / jnp.asarray(config.rope_freq_factors, F32)
+    return inv_freq
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Hugging Face's; GGUF q/k rows are un-permuted to it).
+
+    x: [B, T, H, Dh]; positions: [B, T]; inv_freq: [Dh/2].
+    """
+    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+def in_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
+    """[B, T, S]: may a query at q_pos [B, T] see a key at k_pos [B, S]? Causal, and with a window
+    (> 0) only the last `window` positions, its own included."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    return (diff >= 0) & ((window <= 0) | (diff < window))
+
+
+def _project(c: ModelConfig, x: jax.Array, heads: int, name: str) -> jax.Array:
+    """[B, T, D] → [B, T, heads, Dh] (a function, not a method: Haiku would scope a method's params)."""
+    bias = norm_dtype(c) if c.qkv_bias else None
+    y = Linear(heads * c.head_dim, param_dtype(c), name, bias_dtype=bias)(x)
+    return y.reshape(*x.shape[:2], heads, c.head_dim)
+
+
+class Attention(hk.Module):
+    """Grouped-query attention of T new tokens over the memory's past keys plus themselves.
+
+    The past (`k_past`, read-only) and the new keys are scored separately and normalised by one
+    softmax, so the memory is read but never rewritten inside the layer scan: the caller writes the
+    new keys into the (donated) memory once, after all layers. The memory keeps every position; a
+    sliding window is a mask on the scores.
+    """
+
+    def __init__(self, config: ModelConfig, name: str = "attention"):
+        super().__init__(name=name)
+        self.c = config
+
+    def __call__(self, x, positions, k_past, v_past, past_len, window, theta):
+        """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
+        window: this layer's sliding window (0 = none); theta: its RoPE base.
+
+        Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
+        """
+        c = self.c
+        b, t, _ = x.shape
+        groups = c.n_heads // c.n_kv_heads
+        q = _project(c, x, c.n_heads, "q_proj")
+        k = _project(c, x, c.n_kv_heads, "k_proj")
+        v = _project(c, x, c.n_kv_heads, "v_proj")
+        if c.qk_norm:
+            q = RMSNorm(c.norm_eps, norm_dtype(c), "q_norm", c.norm_offset)(q)
+            k = RMSNorm(c.norm_eps, norm_dtype(c), "k_norm", c.norm_offset)(k)
+        inv_freq = rope_frequencies(c, theta)
+        q = rope(q, positions, inv_freq) * (c.attn_multiplier or c.head_dim**-0.5)
+        k = rope(k, positions, inv_freq)
+        q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
+
+        neg = jnp.finfo(F32).min
+
+        def cap(scores):  # soft cap on the attention logits (grok-1, Gemma 2)
+            return c.attn_logit_cap * jnp.tanh(scores / c.attn_logit_cap) if c.attn_logit_cap else scores
+
+        new_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k))  # [B, Hkv, G, T, T]
+        new_scores = jnp.where(in_window(positions, positions, window)[:, None, None], new_scores, neg)
+        w = k_past.shape[1]
+        if w:
+            past_scores = cap(jnp.einsum("bthgd,bshd->bhgts", q, k_past.astype(F32)))  # [B, Hkv, G, T, W]
+            k_pos = jnp.broadcast_to(jnp.arange(w)[None, :], (b, w))  # memory index = position
+            seen = (k_pos < past_len[:, None])[:, None, :] & in_window(positions, k_pos, window)  # [B, T, W]
+            past_scores = jnp.where(seen[:, None, None], past_scores, neg)
+            scores = jnp.concatenate([past_scores, new_scores], axis=-1)
+            values = jnp.concatenate([v_past.astype(F32), v], axis=1)  # [B, W+T, Hkv, Dh]
+        else:
+            scores, values = new_scores, v
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhgts,bshd->bthgd", probs, values).reshape(b, t, c.n_heads * c.head_dim)
+        out = Linear(c.dim, param_dtype(c), "o_proj")(out)
+        return out, k, v

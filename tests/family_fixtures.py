@@ -1,0 +1,59 @@
+"""The model-family fixtures of ../shared/fixtures (hf/ and gguf/), shared by the test_families*
+files. A missing fixture fails the test that needs it (it is never skipped)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+from hkserve.model.memory import init_memory
+
+HF = [
+    "tiny-llama-tied",
+    "tiny-llama-untied",
+    "tiny-mixtral",
+    "tiny-llama3-rope",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral-swa",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+]
+GGUF = ["tiny-llama3-rope", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+SLIDING = ["tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3"]
+
+
+def fixture(*parts: str) -> Path:
+    path = FIXTURES.joinpath(*parts)
+    if not path.exists():
+        pytest.fail(f"missing fixture {path} (set HKSERVE_SHARED to the shared directory)")
+    return path
+
+
+def reference(name: str, file: str = "reference.json", kind: str = "hf") -> dict:
+    return json.loads(fixture(kind, name, file).read_text())
+
+
+@functools.cache
+def jitted_forward(model):
+    return jax.jit(model.forward, static_argnums=(5, 6))
+
+
+def full_logits(model, params, ids, pad_to: int = 0) -> np.ndarray:
+    """[B, T, V] logits of the whole of `ids` [B, T] in one forward on an empty memory; padded to
+    `pad_to` positions (causal attention keeps padding out) so calls of any length share a compile."""
+    ids = np.asarray(ids, np.int32)
+    b, t = ids.shape
+    width = max(t, pad_to)
+    tokens = np.zeros((b, width), np.int32)
+    tokens[:, :t] = ids
+    memory = init_memory(model.config, b, width)
+    logits, _ = jitted_forward(model)(params, tokens, memory, np.full(b, t, np.int32), None, width, False)
+    return np.asarray(logits)[:, :t]
