@@ -9,19 +9,23 @@ from __future__ import annotations
 from hkserve.engine.detokenize import IncrementalDetokenizer
 from hkserve.engine.textstream import TextStream
 
-PIECES = [b"", b" Hello", b" wor", b"ld", b"!", b"\xf0\x9f", b"\x8c\x8d", b" the", b" end", b" xyz abc"]
+PIECES = [b"", b" Hello", b" wor", b"ld", b"!", b"\xf0\x9f", b"\x8c\x8d", b" the", b" end", b" xyz abc xyz"]
 CONTROL, HELLO, WOR, LD, BANG, GLOBE_1, GLOBE_2, THE, END, XYZ_ABC = range(len(PIECES))
 SENTENCE = [HELLO, WOR, LD, BANG, GLOBE_1, GLOBE_2, CONTROL, THE, END]  # "Hello world!🌍 the end"
 
 
 class PieceTokenizer:
+    def __init__(self):
+        self.longest_decode = 0  # most ids decoded at once
+
     def decode(self, ids: list[int]) -> str:
+        self.longest_decode = max(self.longest_decode, len(ids))
         text = b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
         return text.removeprefix(" ")
 
 
-def deltas(ids: list[int], context: int = 6) -> list[str]:
-    detok = IncrementalDetokenizer(PieceTokenizer(), context)
+def deltas(ids: list[int], context: int = 6, tokenizer: PieceTokenizer | None = None) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer or PieceTokenizer(), context)
     return [detok.add(i) for i in ids] + [detok.flush()]
 
 
@@ -34,7 +38,9 @@ def pieces(stop: list[str] | None, ids: list[int]) -> tuple[list[tuple[str, bool
 
 def test_deltas_hold_split_characters_and_keep_word_spaces_past_the_context():
     assert deltas(SENTENCE) == ["Hello", " wor", "ld", "!", "", "🌍", "", " the", " end", ""]
-    assert "".join(deltas(SENTENCE, context=1)) == "Hello world!🌍 the end"  # one token of context suffices
+    tokenizer = PieceTokenizer()
+    assert "".join(deltas(SENTENCE, 1, tokenizer)) == "Hello world!🌍 the end"  # one token of context suffices
+    assert tokenizer.longest_decode == 3  # the context and the two halves of "🌍": no re-decoding from the start
 
 
 def test_an_unfinished_character_is_flushed_as_decoded_and_only_once():
@@ -89,6 +95,6 @@ def test_the_longest_possible_stop_prefix_is_held():
 
 
 def test_the_earliest_of_several_stop_strings_wins():
-    released, tail, stream = pieces(["abc", "xyz"], [HELLO, XYZ_ABC])
+    released, tail, stream = pieces(["abc", "xyz"], [HELLO, XYZ_ABC])  # " xyz abc xyz" in one token
     assert released == [("Hello", False), (" ", True)]
     assert tail == "" and stream.text == "Hello "
