@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint install clean
+.PHONY: serve test lint install clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,5 +26,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check hkserve tests
 	$(BIN)/lint-imports --no-cache
 
+# Mutation testing ([tool.mutmut] in pyproject.toml; docs/testing.md): slow, not part of `make test`.
+# A part only: make mutate MUTANTS='hkserve.model.sampling.* hkserve.engine.textstream.*'
+MUTATE_STAMP := $(VENV)/.installed-mutate
+
+$(MUTATE_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/mutmut run $(MUTANTS)
+	$(BIN)/python tests/mutation_scores.py
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info mutants

@@ -87,6 +87,21 @@ def test_stop_string_spanning_tokens_ends_the_text_without_appearing(live):
         assert (text, reason) == (" Paris.", "stop")
 
 
+def test_logit_bias_bans_the_greedy_token_and_forces_another(live):
+    _, client, tokenizer, _ = live
+    (paris,) = tokenizer.encode(" Paris", add_bos=False)
+    (london,) = tokenizer.encode(" London", add_bos=False)
+    args = dict(model=NAME, prompt="The capital of France is", max_tokens=3, logprobs=1)
+    greedy = client.completions.create(temperature=0, **args).choices[0]
+    assert greedy.logprobs.tokens[0] == " Paris"
+    banned = client.completions.create(temperature=0, logit_bias={str(paris): -100}, **args).choices[0]
+    assert " Paris" not in banned.logprobs.tokens
+    # logprobs are the model's own: the draw under the ban took a less likely first token
+    assert banned.logprobs.token_logprobs[0] < greedy.logprobs.token_logprobs[0]
+    forced = client.completions.create(temperature=1.0, seed=3, logit_bias={str(london): 100}, **args).choices[0]
+    assert forced.text == " London" * 3
+
+
 def test_every_stream_chunk_models_and_errors_validate(live):
     server, _, _, _ = live
     with httpx.stream(

@@ -86,6 +86,8 @@ def write_llama_gguf(path, hf_dir, sp: spm.SentencePieceProcessor, quantize: boo
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
     add("output_norm.weight", t["model.norm.weight"])
+    if not cfg["tie_word_embeddings"]:
+        add("output.weight", t["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", t[p + "input_layernorm.weight"])
@@ -118,6 +120,20 @@ def test_unpermuted_gguf_reproduces_transformers_logits(gguf_file):
     reference = json.loads((require_fixtures() / "hf" / "tiny-llama-tied" / "reference.json").read_text())
     config, params, _ = load_gguf(gguf_file)
     assert config.tie_embeddings and (config.n_heads, config.n_kv_heads) == (4, 2)
+    assert_logits_match(config, params, reference)
+
+
+def test_untied_gguf_with_rope_freq_base_5e5_reproduces_transformers_logits(tmp_path, sp):
+    """A non-default RoPE theta (llama.rope.freq_base = 500000) and a separate output matrix."""
+    hf_dir = require_fixtures() / "hf" / "tiny-llama-untied"
+    path = tmp_path / "untied.gguf"
+    write_llama_gguf(path, hf_dir, sp, quantize=False)
+    config, params, _ = load_gguf(path)
+    assert config.rope_theta == 500000.0 and not config.tie_embeddings
+    assert_logits_match(config, params, json.loads((hf_dir / "reference.json").read_text()))
+
+
+def assert_logits_match(config, params, reference: dict) -> None:
     model = build_model(config)
     ids = np.asarray(reference["input_ids"], np.int32)
     logits, _ = jax.jit(model.forward)(

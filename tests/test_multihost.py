@@ -113,6 +113,7 @@ def _stream(url: str, path: str, body: dict, stop_after: int | None = None) -> t
     return text, events
 
 
+@pytest.mark.timeout(1200)  # sets up the hosts: pull, then up to 400 s to ready
 def test_golden_cases_over_two_hosts_equal_the_single_process_output(hosts, golden):
     # The single-process output at temperature 0 is the fixture's text (tests/test_smollm2.py).
     replies = {}

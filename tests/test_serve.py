@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -30,50 +32,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_health_turns_ready_and_sigterm_lets_running_streams_finish(tiny_home):
+class Lines:
+    """A process's output lines, read in the background so the test can wait for one."""
+
+    def __init__(self, stream):
+        self.seen: list[str] = []
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.seen):
+            try:
+                self.seen.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"{text!r} not logged within {timeout} s:\n{''.join(self.seen)[-3000:]}") from None
+
+
+def first_answer(url: str, timeout: float = 120) -> httpx.Response:
+    """The first response from a server that is starting up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(url, timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.1)  # not listening yet
+    raise AssertionError(f"no answer from {url} within {timeout} s")
+
+
+def send(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_503_while_warming_up_and_sigterm_lets_a_running_stream_finish(tiny_home):
+    """tests/serve_gated.py holds the warm-up, then a stream mid-way, until the test lets them go."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HKSERVE_HOME": str(tiny_home), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", "tiny", "--port", str(port), "--slots", "2"],
+        [
+            sys.executable,
+            str(REPO / "tests" / "serve_gated.py"),
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            str(port),
+            "--slots",
+            "2",
+        ],
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    output = Lines(proc.stdout)
     try:
-        statuses = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                statuses.append(httpx.get(url + "/health", timeout=2).status_code)
-            except httpx.TransportError:
-                pass
-            if statuses and statuses[-1] == 200:
-                break
-            time.sleep(0.1)
-        assert statuses[-1] == 200, statuses
-        body = {
-            "model": "tiny",
-            "prompt": "In the beginning",
-            "max_tokens": 150,
-            "stream": True,
-            "temperature": 0,
-            "stop": ["never-appears"],
-        }
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        health = first_answer(url + "/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        body = {"model": "tiny", "prompt": "In the beginning", "max_tokens": 20, "temperature": 0, "logprobs": 1}
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["message"] == "the model is loading"
+        send(proc, "warm")
+        deadline = time.monotonic() + 300
+        while httpx.get(url + "/health", timeout=5).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.1)  # compiling
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
             lines = resp.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
+            output.wait_for("draining: waiting for running requests")  # the signal landed mid-stream
+            health = httpx.get(url + "/health", timeout=5)  # still answering while the stream runs
+            assert (health.status_code, health.json()) == (503, {"status": "draining"})
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 503
+            send(proc, "decode")
             rest = [line for line in lines if line.startswith("data: ")]
-        assert first and rest[-1] == "data: [DONE]"
-        assert any('"finish_reason": "length"' in line for line in rest)  # ran to its end, not cut
+            output.wait_for("Shutting down")  # only once the running stream has finished
+        assert '"finish_reason": null' in first
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in rest[-2]  # ran to its end, not cut
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-        output = proc.stdout.read()
-    assert "Finished server process" in output or "Shutting down" in output, output[-2000:]
+    output.wait_for("Finished server process")
 
 
 def test_a_port_in_use_fails_at_once_with_one_line(tiny_home):

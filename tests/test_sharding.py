@@ -36,10 +36,12 @@ def assert_meshes_agree(results: dict) -> None:
         np.testing.assert_allclose(results[f"{mesh}/logits"], results["1x1/logits"], atol=1e-4, rtol=0, err_msg=mesh)
 
 
+@pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
 def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
     assert_meshes_agree(run_worker("tiny", str(tmp_path / "tiny.npz")))
 
 
+@pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
 def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):
     results = run_worker(
         "smollm2", str(tmp_path / "smollm2.npz"), str(smollm2_home), str(require_fixtures() / "smollm2_golden.json")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import REPO
 
 from hkserve.model.build import param_shapes
@@ -15,6 +16,7 @@ from hkserve.model.config import tiny_vq_config
 from hkserve.model.sharding import memory_shardings, param_specs, parse_mesh
 
 
+@pytest.mark.timeout(900)  # the worker's own limit is 600 s
 def test_vq_decoder_sharded_2x4_equals_single_device(tmp_path):
     out = tmp_path / "vq.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}

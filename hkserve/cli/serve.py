@@ -76,8 +76,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_to_stderr() -> None:
+    """hkserve's own log lines (loading, ready, draining, lost hosts) on stderr at INFO. Its own
+    handler, since a library imported earlier may have configured the root logger already, which
+    would make logging.basicConfig a silent no-op."""
+    logger = logging.getLogger("hkserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def run_server(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     api_key = args.api_key or os.environ.get("HKSERVE_API_KEY") or None
     hosts = HostGroup.from_args(args)
     listener = None if hosts and hosts.host_id else bind_socket(args.host, args.port)
