@@ -9,11 +9,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import tiny_config
 
 from hkserve.engine.engine import ContextLengthError, Engine
 from hkserve.engine.runner import InferenceRunner, Overloaded, Request
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
 
 CONFIG = tiny_config(vocab_size=96)

@@ -150,7 +150,7 @@ def test_export_serves_from_the_store(vq_run, tmp_path):
 
 @pytest.mark.slow
 def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
-    from conftest import hkserve
+    from helpers import hkserve
 
     from hkserve.checkpoint.store import ModelStore
     from hkserve.train.export import export_model

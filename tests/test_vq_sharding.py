@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO
+from helpers import REPO, tiny_vq_config
 
 from hkserve.model.build import param_shapes
-from hkserve.model.config import tiny_vq_config
 from hkserve.model.sharding import memory_shardings, param_specs, parse_mesh
 
 
