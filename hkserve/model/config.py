@@ -43,7 +43,7 @@ class ModelConfig:
     moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
-    vq_codes: int = 512  # S, codebook size per head
+    vq_codes: int = 512  # C, codebook size per head
     vq_block_len: int = 512  # L, training block length (serving takes any block length)
     vq_mem_len: int = 512  # M, window of exact keys; the position band covers distances 0..M
     vq_pe_lam: float = 1e5  # lambda of the relative-position sinusoids
