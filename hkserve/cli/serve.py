@@ -1,7 +1,7 @@
 """`hkserve serve`: load a model, answer /health with 503 while warming up, serve with uvicorn, drain
 on SIGTERM (stop admitting, let running requests finish, then stop the engine).
 
-Multi-host (server/multihost.py): host 0 runs all of this over a LeaderEngine; the other hosts load
+Multi-host (hkserve/multihost/): host 0 runs all of this over a LeaderEngine; the other hosts load
 the same model onto their part of the mesh and replay host 0's engine calls, without HTTP."""
 
 from __future__ import annotations
