@@ -9,6 +9,7 @@ keeps a host mirror of each slot's length and raises ContextLengthError when ste
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,13 +46,16 @@ def token(token_id: int) -> Token:
 @dataclass
 class FakeEngine:
     """`strict_fits=False` admits requests whose prompt + max_tokens exceed max_len (only the prompt
-    is checked): the way to make a running slot reach the context length."""
+    is checked): the way to make a running slot reach the context length. With a `gate`, `step` sets
+    `stepping` and then blocks until the gate is set: a device call that does not return."""
 
     slots: int = 4
     max_len: int = 64
     vocab_size: int = 100
     n_top: int = 5
     strict_fits: bool = True
+    gate: threading.Event | None = None
+    stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
     positions: np.ndarray = field(init=False)  # tokens in each slot's memory
@@ -80,6 +84,9 @@ class FakeEngine:
         if (self.positions[active] >= self.max_len).any():
             raise ContextLengthError(f"a slot reached the context length {self.max_len}")
         self.calls.append(("step", [int(i) for i in np.flatnonzero(active)]))
+        self.stepping.set()
+        if self.gate is not None:
+            self.gate.wait()
         for i in np.flatnonzero(active):
             self.last[i] = (self.last[i] + 1) % self.vocab_size
         self.positions += active
@@ -102,6 +109,17 @@ def events(stream: RequestStream) -> list[Event]:
             out.append(stream._sync.get_nowait())
         except queue.Empty:
             return out
+
+
+def final_event(stream: RequestStream, timeout: float = 10.0) -> Event:
+    """Wait (bounded) for a stream's final event; tokens before it are skipped."""
+    while True:
+        try:
+            event = stream._sync.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"request {stream.request.id} did not end within {timeout} s") from None
+        if event.finish_reason is not None:
+            return event
 
 
 def token_ids(evs: list[Event]) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fake_engine import FakeEngine, events, token_ids
+from fake_engine import FakeEngine, events, final_event, token_ids
 
 from hkserve.engine.runner import InferenceRunner, Overloaded, Request, RunnerStats
 
@@ -153,6 +153,25 @@ def test_abort_ends_the_requests_of_a_running_loop():
             assert (last.finish_reason, last.error) == ("error", "lost host 1")
     finally:
         runner.stop()
+
+
+def test_abort_ends_the_requests_itself_when_the_loop_is_stuck_in_a_device_call():
+    engine = FakeEngine(slots=1, gate=threading.Event())
+    runner = InferenceRunner(engine)
+    runner.abort_grace_s = 0.05
+    runner.start(warmup=False)
+    try:
+        running = runner.submit(Request([10], 20))
+        queued = runner.submit(Request([20], 20))
+        assert engine.stepping.wait(10)  # the loop is inside a step that will not return
+        runner.abort("lost host 1")
+        for stream in (running, queued):
+            last = final_event(stream)
+            assert (last.finish_reason, last.error) == ("error", "lost host 1")
+    finally:
+        engine.gate.set()
+        runner.stop()
+    assert events(running) == [] and events(queued) == []  # the loop, back, pushed nothing more
 
 
 def test_stats_are_the_snapshot_of_the_last_iteration():

@@ -4,11 +4,16 @@ Concurrency — who owns what:
   * Any thread (HTTP handlers, the CLI, tests) calls `submit`, `cancel`, `abort` and `stats`.
     `submit` validates and appends the request to the admission queue `_waiting` (bounded, full →
     `Overloaded`); `cancel` records the id in `_cancelled`; `abort` records its error and stops the
-    loop. These three only touch `_waiting`, `_cancelled` and the abort error under `_lock`, then wake
-    the loop. `stats` reads `_stats`, an immutable snapshot the loop publishes after each iteration.
+    loop. These three only touch `_waiting`, `_open`, `_cancelled` and the abort error under `_lock`,
+    then wake the loop. `stats` reads `_stats`, an immutable snapshot the loop publishes after each
+    iteration.
   * One background thread, the loop, owns the Engine (all device work), the slot table `_slots`, the
     in-flight device results and every request's progress; it alone takes requests off `_waiting` and
     ends requests: finished, cancelled, or failed when the runner is aborted or stopped.
+  * One exception, for a loop that cannot answer: when the loop thread is still inside a device call
+    `abort_grace_s` after an abort (a lost host's collective never returns), `abort` ends the requests
+    still open itself, through `_open` (never through `_slots` or `_waiting`). A request's final event
+    is pushed once, under `_lock`, by whichever comes first.
   * Results flow back through each request's `RequestStream`, which the loop feeds thread-safely
     and the consumer reads by blocking iteration or `async for`.
 
@@ -83,7 +88,7 @@ class RequestStream:
         self.admitted_at: float | None = None
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
-        self.done = False  # set by the loop thread once the final event is pushed
+        self.done = False  # set, under the runner's lock, once the final event is pushed
 
     def push(self, event: Event) -> None:
         if self.loop is not None:
@@ -130,6 +135,7 @@ class InferenceRunner:
         self.prefill_budget = prefill_budget
         # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
+        self._open: set[RequestStream] = set()  # submitted and not yet ended
         self._cancelled: set[str] = set()
         self._abort_error: str | None = None  # set once by abort: every request ends with it
         self._lock = threading.Lock()
@@ -142,6 +148,7 @@ class InferenceRunner:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
+        self.abort_grace_s = 1.0  # how long abort waits for the loop before ending requests itself
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> InferenceRunner:
@@ -161,14 +168,25 @@ class InferenceRunner:
             self._thread.join(timeout)
 
     def abort(self, error: str) -> None:
-        """The engine can no longer run (a lost host): stop taking requests and have the loop end
-        every queued and running one with `error`, at once if idle, else when its device call returns."""
+        """The engine can no longer run (a lost host): stop taking requests and have the loop end every
+        queued and running one with `error`. Waits for the loop thread up to abort_grace_s; if it is
+        stuck in a device call, ends the open requests itself (see the module docstring)."""
         self.ready.clear()
         with self._wake:
             if self._abort_error is None:
                 self._abort_error = error
             self._stop.set()
             self._wake.notify()
+        loop = self._thread
+        if loop is None or loop is threading.current_thread():
+            return  # not started: whoever drives iterate() ends them
+        loop.join(self.abort_grace_s)
+        if loop.is_alive():
+            log.error("the runner loop is stuck in a device call: ending its requests from the caller")
+            with self._lock:
+                stuck = list(self._open)
+            for stream in stuck:
+                self._close(stream, "error", error)
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
@@ -188,6 +206,7 @@ class InferenceRunner:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"the admission queue is full ({self.max_queue} waiting)")
             self._waiting.append(stream)
+            self._open.add(stream)
             self._wake.notify()
         return stream
 
@@ -252,11 +271,18 @@ class InferenceRunner:
         self._stats = RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), waiting)
 
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
-        if not stream.done:
-            stream.done = True
-            stream.push(Event(stream.request.id, None, reason, error))
+        self._close(stream, reason, error)
         if slot is not None:
             self._slots[slot] = None
+
+    def _close(self, stream: RequestStream, reason: str, error: str | None) -> None:
+        """Push the request's final event, unless it has one (any thread: see abort)."""
+        with self._lock:
+            if stream.done:
+                return
+            stream.done = True
+            self._open.discard(stream)
+        stream.push(Event(stream.request.id, None, reason, error))
 
     def _sweep_cancelled(self) -> None:
         """End cancelled requests: running ones free their slot, waiting ones leave the queue."""
