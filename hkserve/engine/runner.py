@@ -186,7 +186,7 @@ class InferenceRunner:
             with self._lock:
                 stuck = list(self._open)
             for stream in stuck:
-                self._close(stream, "error", error)
+                self._close(stream, "error", self._abort_error)
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
