@@ -1,40 +1,15 @@
-"""Shared test fixtures: paths to ../shared reference data and a SmolLM2 store pulled once per session."""
+"""pytest fixtures only (shared helpers live in helpers.py): the golden SmolLM2 outputs and a SmolLM2
+store pulled once per session."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import hkserve, require_fixtures
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HKSERVE_SHARED", REPO.parent / "shared"))
-FIXTURES = SHARED / "fixtures"
-
-
-def require_fixtures() -> Path:
-    if not FIXTURES.is_dir():
-        pytest.skip(f"reference fixtures not found at {FIXTURES} (set HKSERVE_SHARED)")
-    return FIXTURES
-
-
-def hkserve(*args: str, home: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess with its own model store."""
-    env = {**os.environ, "HKSERVE_HOME": str(home)}
-    result = subprocess.run(
-        [sys.executable, "-m", "hkserve.cli.main", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and result.returncode:
-        raise AssertionError(f"hkserve {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return result
+from hkserve.checkpoint.store import ModelStore
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +29,6 @@ def smollm2_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_home):
     """(store, model info, tokenizer, params) of the pulled SmolLM2."""
-    from hkserve.checkpoint.store import ModelStore
 
     store = ModelStore(smollm2_home)
     name = "smollm2-135m-instruct"

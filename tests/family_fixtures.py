@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from hkserve.model.memory import init_memory
 

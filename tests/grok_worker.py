@@ -7,8 +7,8 @@ import sys
 
 import jax
 import numpy as np
+from helpers import load_grok_npz
 
-from hkserve.checkpoint.grok import load_grok_npz
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.memory import init_memory
 from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh

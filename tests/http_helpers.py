@@ -8,8 +8,9 @@ import socket
 import threading
 import time
 
+import jsonschema
 import uvicorn
-from conftest import require_fixtures
+from helpers import require_fixtures
 
 from hkserve.engine.engine import Token
 from hkserve.engine.runner import Event, Overloaded, RequestStream, RunnerStats
@@ -111,7 +112,6 @@ def validate(instance, schema_name: str, streamed: bool = False) -> None:
     `streamed` completion chunks: the published CreateCompletionResponse (documented as shared by
     streamed and whole responses) has a non-null finish_reason, yet OpenAI's API and every
     compatible server send null until the last chunk; that one field alone is widened to null."""
-    import jsonschema
 
     global _SPEC
     if _SPEC is None:

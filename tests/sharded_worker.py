@@ -8,11 +8,11 @@ import threading
 
 import jax
 import numpy as np
+from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh

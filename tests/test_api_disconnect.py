@@ -13,13 +13,13 @@ import threading
 import httpx
 import jax
 import pytest
+from helpers import tiny_config
 from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, RunnerStats
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_config
 
 WAIT = 60  # seconds; only a broken server takes this long
 
@@ -63,6 +63,7 @@ class WatchedRunner(InferenceRunner):
 
     def _finish(self, slot, stream, reason, error=None):
         super()._finish(slot, stream, reason, error)
+        self._publish_stats()  # the snapshot as of this moment, on the loop thread
         self.ended.put((stream.request.id, reason, self.stats()))
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, hkserve, require_fixtures
+from helpers import REPO, hkserve, require_fixtures
 
 
 def test_bench_engine_json_on_tiny_model(tmp_path):

@@ -8,8 +8,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import hkserve
 from family_fixtures import fixture, reference
+from helpers import hkserve
 
 CLI_SUBSET = ["tiny-llama3-rope", "tiny-gemma3", "tiny-mistral-swa"]
 

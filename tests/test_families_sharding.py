@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
 from family_fixtures import fixture, reference
+from helpers import REPO
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gemma3"])

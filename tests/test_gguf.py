@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import sentencepiece as spm
-from conftest import hkserve, require_fixtures
+from helpers import hkserve, require_fixtures
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from hkserve.checkpoint.gguf_import import load_gguf

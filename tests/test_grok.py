@@ -9,10 +9,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, require_fixtures
 from grok_worker import grok_logits
+from helpers import REPO, load_grok_npz, require_fixtures
 
-from hkserve.checkpoint.grok import load_grok_npz
 from hkserve.model.build import build_model
 from hkserve.model.config import grok_config
 

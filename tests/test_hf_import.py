@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import require_fixtures
+from helpers import require_fixtures
 
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory, insert_slot
 
 TOL = 1e-5

@@ -14,7 +14,7 @@ import types
 
 import httpx
 import pytest
-from conftest import REPO
+from helpers import REPO
 from test_serve import free_port
 
 NAME = "smollm2-135m-instruct"

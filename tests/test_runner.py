@@ -1,4 +1,5 @@
-"""InferenceRunner on a tiny random model: continuous batching, sampling semantics, cancellation."""
+"""InferenceRunner end to end on a tiny random model: sampling semantics under continuous batching.
+Scheduling itself (admission, cancellation, overload, abort) is tested on FakeEngine: test_runner_scheduling.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import tiny_config
 
 from hkserve.engine.engine import ContextLengthError, Engine
-from hkserve.engine.runner import InferenceRunner, Overloaded, Request
+from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
 
@@ -150,21 +151,6 @@ def test_bad_requests_are_refused_with_clear_errors(runner):
         runner.submit(Request([CONFIG.vocab_size + 3], 4))
     with pytest.raises(ValueError, match="max_tokens"):
         runner.submit(Request(PROMPT, 0))
-
-
-def test_full_queue_raises_overloaded_and_cancel_frees_waiting_requests():
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=1, max_len=64, prefill_buckets=(8,)), max_queue=2)
-    # not started: nothing leaves the queue
-    first, second = runner.submit(Request(PROMPT, 4)), runner.submit(Request(PROMPT, 4))
-    with pytest.raises(Overloaded):
-        runner.submit(Request(PROMPT, 4))
-    runner.cancel(second.request.id)
-    runner.start(warmup=False)
-    try:
-        assert list(second)[-1].finish_reason == "cancelled"
-        assert list(first)[-1].finish_reason == "length"
-    finally:
-        runner.stop()
 
 
 def test_long_prompt_is_prefilled_in_chunks(runner):

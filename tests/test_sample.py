@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, hkserve
+from helpers import REPO, hkserve
 from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
 
 

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO, hkserve, require_fixtures
+from helpers import REPO, hkserve, require_fixtures
 from test_gguf import train_sentencepiece, write_llama_gguf
 
 

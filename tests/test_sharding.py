@@ -8,10 +8,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, require_fixtures
+from helpers import REPO, require_fixtures, tiny_config
 
 from hkserve.model.build import param_shapes
-from hkserve.model.config import tiny_config
 from hkserve.model.sharding import param_specs, parse_mesh
 
 MESHES = ["1x8", "2x4", "8x1"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import hkserve
+from helpers import hkserve
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request

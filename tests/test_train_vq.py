@@ -2,8 +2,9 @@
 moves only by its EMA, and the result serves from the model store.
 
 One run is shared by the tests (compiling the VQ step is the expensive part): `hkserve train` in a
-subprocess, frozen with SIGSTOP once a checkpoint in the middle of a sequence exists and the step
-after it has been logged, killed with SIGKILL, then resumed in this process to the end.
+subprocess that SIGKILLs itself right after logging step KILL_AFTER (HKSERVE_TRAIN_KILL_AFTER_STEP),
+when its latest checkpoint is step KILL_AFTER - 1, in the middle of a sequence; then resumed in this
+process to the end.
 """
 
 from __future__ import annotations
@@ -13,63 +14,52 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
+from helpers import REPO, hkserve
+from http_helpers import LiveServer
 from train_helpers import read_metrics, write_run
 
+from hkserve.api.app import create_app
+from hkserve.checkpoint.store import ModelStore
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner
+from hkserve.model.build import build_model
+from hkserve.model.vq_model import serving_params
 from hkserve.train.checkpoints import Checkpoints
 from hkserve.train.data import TrainStream
-from hkserve.train.loop import train
+from hkserve.train.export import export_model
+from hkserve.train.loop import KILL_AFTER_STEP_ENV, train
 from hkserve.train.optim import decay_mask
 from hkserve.train.session import Session
 
-REPO = Path(__file__).resolve().parents[1]
 CHUNKS = 4  # sequence_len / update_len of write_run's config
-
-
-def _freeze_after_checkpoint(proc: subprocess.Popen, root: Path, timeout: float = 240) -> int:
-    """SIGSTOP the trainer at a moment when its latest checkpoint c lies in the middle of a sequence
-    and step c + 1 is already logged; → c. Each look happens while the process is stopped."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        if proc.poll() is not None:
-            raise AssertionError(f"the trainer ended before it could be killed:\n{proc.stderr.read()[-3000:]}")
-        os.kill(proc.pid, signal.SIGSTOP)
-        checkpoints = Checkpoints(root / "checkpoints", read_only=True)
-        latest = checkpoints.latest_step()
-        checkpoints.close()
-        logged = read_metrics(root / "metrics.jsonl")[0] if (root / "metrics.jsonl").is_file() else {}
-        if latest is not None and latest % CHUNKS and latest + 1 in logged:
-            return latest
-        os.kill(proc.pid, signal.SIGCONT)
-    raise AssertionError("no mid-sequence checkpoint appeared in time")
+KILL_AFTER = 4  # checkpoints every 3 steps: the latest is step 3, mid-sequence, and step 4 is logged
 
 
 @pytest.fixture(scope="module")
 def vq_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vq-run")
     config = write_run(root, "vq")
-    proc = subprocess.Popen(
+    killed = subprocess.run(
         [sys.executable, "-m", "hkserve.cli.main", "train", "--config", str(config), "--quiet"],
         cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        env={**os.environ, KILL_AFTER_STEP_ENV: str(KILL_AFTER)},
+        capture_output=True,
         text=True,
+        timeout=600,
     )
-    try:
-        resumed_from = _freeze_after_checkpoint(proc, root)
-        shutil.copy(root / "metrics.jsonl", root / "killed-metrics.jsonl")
-    finally:
-        proc.kill()  # SIGKILL, delivered even to a stopped process
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    assert killed.returncode == -signal.SIGKILL, (
+        f"the trainer was not killed at step {KILL_AFTER}:\n{killed.stderr[-3000:]}"
+    )
+    checkpoints = Checkpoints(root / "checkpoints", read_only=True)
+    resumed_from = checkpoints.latest_step()
+    checkpoints.close()
+    shutil.copy(root / "metrics.jsonl", root / "killed-metrics.jsonl")
     session = Session.open(config)
     state = train(session, progress=False)
     yield session, state, resumed_from, root
@@ -80,8 +70,9 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_steps(vq_run):
     _, state, resumed_from, root = vq_run
     killed, _ = read_metrics(root / "killed-metrics.jsonl")
     resumed, _ = read_metrics(root / "metrics.jsonl")
+    assert resumed_from == KILL_AFTER - 1 and sorted(killed) == list(range(1, KILL_AFTER + 1))
     assert resumed_from % CHUNKS, "the checkpoint must sit mid-sequence, so the carried state is restored"
-    assert resumed_from + 1 in killed and sorted(resumed) == list(range(1, 31))
+    assert sorted(resumed) == list(range(1, 31))
     keys = ("loss", "nll", "commit", "grad_norm", "lr")
     for step in sorted(killed):  # before the kill: kept; after the checkpoint: recomputed identically
         assert {k: resumed[step][k] for k in keys} == {k: killed[step][k] for k in keys}, step
@@ -131,9 +122,6 @@ def test_the_codebook_moves_only_by_its_ema(vq_run):
 
 
 def test_export_serves_from_the_store(vq_run, tmp_path):
-    from hkserve.checkpoint.store import ModelStore
-    from hkserve.model.vq_model import serving_params
-    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     store = ModelStore(tmp_path)
@@ -150,10 +138,6 @@ def test_export_serves_from_the_store(vq_run, tmp_path):
 
 @pytest.mark.slow
 def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
-    from conftest import hkserve
-
-    from hkserve.checkpoint.store import ModelStore
-    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     export_model(session, state, "tiny-vq", ModelStore(tmp_path))
@@ -175,15 +159,6 @@ def test_hkserve_generate_runs_the_exported_model(vq_run, tmp_path):
 
 def test_the_exported_vq_model_streams_over_http_like_a_kv_model(vq_run, tmp_path):
     """The trained VQ model behind the OpenAI API: streamed and whole completions agree for a seed."""
-    import openai
-    from http_helpers import LiveServer
-
-    from hkserve.api.app import create_app
-    from hkserve.checkpoint.store import ModelStore
-    from hkserve.engine.engine import Engine
-    from hkserve.engine.runner import InferenceRunner
-    from hkserve.model.build import build_model
-    from hkserve.train.export import export_model
 
     session, state, _, _ = vq_run
     store = ModelStore(tmp_path)

@@ -9,11 +9,11 @@ import threading
 import jax
 import numpy as np
 import pytest
+from helpers import tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_vq_config
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_fixtures
+from helpers import require_fixtures
 from vq_reference import reference_gau
 
 from hkserve.model.config import ModelConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import tiny_config, tiny_vq_config
 
-from hkserve.model.config import tiny_config, tiny_vq_config
 from hkserve.model.memory import KVMemory, init_memory, insert_slot, reset_slot
 from hkserve.model.vq_memory import GAUState, VQMemory, advance
 

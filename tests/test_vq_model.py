@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_vq_config
 
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import tiny_vq_config
 from hkserve.model.memory import init_memory, reset_slot
 from hkserve.model.sharding import param_specs, parse_mesh
 from hkserve.model.vq_model import (

@@ -9,10 +9,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from helpers import REPO, tiny_vq_config
 
 from hkserve.model.build import param_shapes
-from hkserve.model.config import tiny_vq_config
 from hkserve.model.sharding import memory_shardings, param_specs, parse_mesh
 
 

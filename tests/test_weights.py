@@ -7,6 +7,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from helpers import tiny_config
 from test_sharding import assert_meshes_agree, run_worker
 
 from hkserve.checkpoint.quantize import convert_params, quantize_int8
@@ -14,7 +15,6 @@ from hkserve.cli.eval_ppl import perplexity
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
-from hkserve.model.config import tiny_config
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
 

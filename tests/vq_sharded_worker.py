@@ -8,9 +8,9 @@ import sys
 
 import jax
 import numpy as np
+from helpers import tiny_vq_config
 
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import tiny_vq_config
 from hkserve.model.memory import init_memory
 from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 

@@ -108,7 +108,7 @@ def weights_per_token(config) -> int:
 # -- hkserve ------------------------------------------------------------------------------------
 def _decode(step, steps: int) -> float:
     """Seconds for `steps` dispatches of `step()` read one step behind (dispatch k, then read k-1),
-    as server/runner.py does, so the host never makes the device wait."""
+    as hkserve/engine/runner.py does, so the host never makes the device wait."""
     start = time.perf_counter()
     previous = None
     for _ in range(steps):

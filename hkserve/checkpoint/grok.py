@@ -8,8 +8,6 @@ already [in, out] with head-major columns, as ours are.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
@@ -77,10 +75,3 @@ def load_grok(tensors: dict, config: ModelConfig) -> dict:
             "layers": layers,
         },
     )
-
-
-def load_grok_npz(path) -> tuple[ModelConfig, dict]:
-    """A grok reference .npz with its config under meta/config_json."""
-    data = np.load(path, allow_pickle=False)
-    config = config_from_grok(json.loads(str(data["meta/config_json"])))
-    return config, load_grok(data, config)

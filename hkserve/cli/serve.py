@@ -6,7 +6,7 @@ While draining the server keeps accepting connections: /health answers 503 "drai
 generations 503, until the runner has nothing running or waiting; only then does uvicorn close the
 socket and finish the open responses. A second SIGTERM/SIGINT stops without waiting.
 
-Multi-host (server/multihost.py): host 0 runs all of this over a LeaderEngine; the other hosts load
+Multi-host (hkserve/multihost/): host 0 runs all of this over a LeaderEngine; the other hosts load
 the same model onto their part of the mesh and replay host 0's engine calls, without HTTP."""
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 """InferenceRunner: continuous batching of requests over the Engine's slots.
 
 Concurrency — who owns what:
-  * Any thread (HTTP handlers, the CLI, tests) calls `submit` and `cancel`. `submit` validates and
-    puts the request on a bounded queue (full → `Overloaded`); `cancel` records the id under a lock.
-  * One background thread, the loop, owns the Engine (all device work), the slot table and every
-    request's progress. Nothing else touches them.
+  * Any thread (HTTP handlers, the CLI, tests) calls `submit`, `cancel`, `abort` and `stats`.
+    `submit` validates and appends the request to the admission queue `_waiting` (bounded, full →
+    `Overloaded`); `cancel` records the id in `_cancelled`; `abort` records its error and stops the
+    loop. These three only touch `_waiting`, `_open`, `_cancelled` and the abort error under `_lock`,
+    then wake the loop. `stats` reads `_stats`, an immutable snapshot the loop publishes after each
+    iteration.
+  * One background thread, the loop, owns the Engine (all device work), the slot table `_slots`, the
+    in-flight device results and every request's progress; it alone takes requests off `_waiting` and
+    ends requests: finished, cancelled, or failed when the runner is aborted or stopped.
+  * One exception, for a loop that cannot answer: when the loop thread is still inside a device call
+    `abort_grace_s` after an abort (a lost host's collective never returns), `abort` ends the requests
+    still open itself, through `_open` (never through `_slots` or `_waiting`). A request's final event
+    is pushed once, under `_lock`, by whichever comes first.
   * Results flow back through each request's `RequestStream`, which the loop feeds thread-safely
     and the consumer reads by blocking iteration or `async for`.
 
@@ -68,7 +77,7 @@ class RequestStream:
         self.admitted_at: float | None = None
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
-        self.done = False  # set by the loop thread once the final event is pushed
+        self.done = False  # set, under the runner's lock, once the final event is pushed
 
     def push(self, event: Event) -> None:
         if self.loop is not None:
@@ -96,7 +105,8 @@ class RequestStream:
 
 class _Slot(NamedTuple):
     stream: RequestStream
-    produced: int
+    produced: int  # tokens delivered
+    length: int  # tokens in the slot's memory once the dispatched device work completes
 
 
 class RunnerStats(NamedTuple):
@@ -112,14 +122,22 @@ class InferenceRunner:
         # Prompt tokens admitted per loop iteration (at least one request): a burst fills the free
         # slots in a few iterations while running requests wait at most ~one budget of prefill per token.
         self.prefill_budget = prefill_budget
+        # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
+        self._open: set[RequestStream] = set()  # submitted and not yet ended
         self._cancelled: set[str] = set()
+        self._abort_error: str | None = None  # set once by abort: every request ends with it
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # signalled on submit / cancel / stop
+        self._wake = threading.Condition(self._lock)  # signalled on submit / cancel / stop / abort
+        # The loop's own (see the module docstring):
         self._slots: list[_Slot | None] = [None] * engine.slots
+        # Each entry: (owners [(slot, stream)], pending tokens, rows indexed by slot?)
+        self._in_flight: list[tuple[list[tuple[int, RequestStream]], PendingTokens, bool]] = []
+        self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
+        self.abort_grace_s = 1.0  # how long abort waits for the loop before ending requests itself
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> InferenceRunner:
@@ -132,20 +150,32 @@ class InferenceRunner:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still queued or running end with finish_reason "cancelled"."""
-        self._stop.set()
         with self._wake:
+            self._stop.set()
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
 
     def abort(self, error: str) -> None:
-        """From any thread: the engine can no longer run (a lost host). End every request with
-        `error` now: the loop thread may be blocked inside a device call that will never return."""
+        """The engine can no longer run (a lost host): stop taking requests and have the loop end every
+        queued and running one with `error`. Waits for the loop thread up to abort_grace_s; if it is
+        stuck in a device call, ends the open requests itself (see the module docstring)."""
         self.ready.clear()
-        self._stop.set()
-        self._fail_all(error)
         with self._wake:
+            if self._abort_error is None:
+                self._abort_error = error
+            self._stop.set()
             self._wake.notify()
+        loop = self._thread
+        if loop is None or loop is threading.current_thread():
+            return  # not started: whoever drives iterate() ends them
+        loop.join(self.abort_grace_s)
+        if loop.is_alive():
+            log.error("the runner loop is stuck in a device call: ending its requests from the caller")
+            with self._lock:
+                stuck = list(self._open)
+            for stream in stuck:
+                self._close(stream, "error", self._abort_error)
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
@@ -159,24 +189,26 @@ class InferenceRunner:
         request.sampling.check_vocab(vocab)
         if request.logprobs > self.engine.n_top:
             raise ValueError(f"at most {self.engine.n_top} top logprobs are available, {request.logprobs} requested")
-        if self._stop.is_set():
-            raise Overloaded("the runner is shutting down")
         stream = RequestStream(request, loop)
         with self._wake:
+            if self._stop.is_set():
+                raise Overloaded("the runner is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"the admission queue is full ({self.max_queue} waiting)")
             self._waiting.append(stream)
+            self._open.add(stream)
             self._wake.notify()
         return stream
 
     def cancel(self, request_id: str) -> None:
-        """End a request at the next step and free its slot (no-op for finished requests)."""
+        """End a request at the next loop iteration and free its slot (no-op for finished requests)."""
         with self._wake:
             self._cancelled.add(request_id)
             self._wake.notify()
 
     def stats(self) -> RunnerStats:
-        return RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), len(self._waiting))
+        """The loop's snapshot as of its last iteration (a request queued since is not counted yet)."""
+        return self._stats
 
     def generate(self, request: Request) -> list[Token]:
         """Blocking convenience: submit and collect the tokens."""
@@ -189,12 +221,58 @@ class InferenceRunner:
         return tokens
 
     # -- loop thread ----------------------------------------------------------------------------
+    def iterate(self) -> bool:
+        """One pass of the loop: end cancelled requests, admit queued ones (prefill), dispatch one step
+        for the running slots, deliver the previous pass's tokens, publish stats → whether device work
+        is still in flight. Only the loop thread calls it, or a test driving a runner it never started
+        (that test's thread is then the loop)."""
+        if self._stop.is_set():  # stopped or aborted: end everything
+            self._fail_all(self._abort_error)
+            self._in_flight = []
+            return False
+        self._sweep_cancelled()
+        admitted = self._admit()
+        dispatched = [([(slot, stream)], pending, False) for slot, stream, pending in admitted]
+        # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
+        full = [i for i, s in enumerate(self._slots) if s is not None and s.length >= self.engine.max_len]
+        active = np.asarray([s is not None and i not in full for i, s in enumerate(self._slots)])
+        if active.any():
+            owners = [(int(i), self._slots[i].stream) for i in np.flatnonzero(active)]
+            dispatched.append((owners, self.engine.step(active), True))
+            for i, _ in owners:
+                self._slots[i] = self._slots[i]._replace(length=self._slots[i].length + 1)
+        for owners, pending, by_slot in self._in_flight:  # the previous iteration's results
+            tokens = pending.read()
+            for slot, stream in owners:
+                self._emit(slot, stream, tokens[slot] if by_slot else tokens[0])
+        just_admitted = {slot for slot, _, _ in admitted}
+        for i in full:
+            s = self._slots[i]
+            if s is not None and i not in just_admitted:
+                log.warning("request %s filled its slot's context (%d tokens)", s.stream.request.id, s.length)
+                self._finish(i, s.stream, "length")
+        self._in_flight = dispatched
+        self._publish_stats()
+        return bool(self._in_flight)
+
+    def _publish_stats(self) -> None:
+        with self._lock:
+            waiting = len(self._waiting)
+        self._stats = RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), waiting)
+
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
-        if not stream.done:
-            stream.done = True
-            stream.push(Event(stream.request.id, None, reason, error))
+        self._close(stream, reason, error)
         if slot is not None:
             self._slots[slot] = None
+
+    def _close(self, stream: RequestStream, reason: str, error: str | None) -> None:
+        """Push the request's final event, unless it has one (any thread: see abort)."""
+        with self._lock:
+            if stream.done:
+                return
+            stream.done = True
+            self._open.discard(stream)
+        stream.push(Event(stream.request.id, None, reason, error))
 
     def _sweep_cancelled(self) -> None:
         """End cancelled requests: running ones free their slot, waiting ones leave the queue."""
@@ -230,7 +308,7 @@ class InferenceRunner:
             except (ValueError, ContextLengthError) as e:
                 self._finish(None, stream, "error", str(e))
                 continue
-            self._slots[slot] = _Slot(stream, 0)
+            self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
             admitted.append((slot, stream, pending))
         return admitted
 
@@ -240,7 +318,7 @@ class InferenceRunner:
             return  # finished (or cancelled) while this token was in flight: discard
         request = stream.request
         produced = self._slots[slot].produced + 1
-        self._slots[slot] = _Slot(stream, produced)
+        self._slots[slot] = self._slots[slot]._replace(produced=produced)
         top = token.top[: request.logprobs]
         stream.push(Event(request.id, Token(token.id, token.logprob, top)))
         if token.id in request.stop_ids:
@@ -251,32 +329,17 @@ class InferenceRunner:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._serve()
+                if not self.iterate():
+                    with self._wake:  # idle: sleep until a submit, cancel, stop or abort
+                        if not self._waiting and not self._cancelled and not self._stop.is_set():
+                            self._wake.wait(timeout=1.0)
             except Exception as e:  # a device failure: fail everything, go on from a clean state
                 log.exception("runner loop failed")
-                self._fail_all(f"internal error: {type(e).__name__}: {e}")
-                self.engine.reset()
-        self._fail_all(None)
-
-    def _serve(self) -> None:
-        # Each entry: (owners [(slot, stream)], pending tokens, rows indexed by slot?)
-        in_flight: list[tuple[list[tuple[int, RequestStream]], PendingTokens, bool]] = []
-        while not self._stop.is_set():
-            self._sweep_cancelled()
-            dispatched = [([(slot, stream)], pending, False) for slot, stream, pending in self._admit()]
-            active = np.asarray([s is not None for s in self._slots])
-            if active.any():
-                owners = [(i, s.stream) for i, s in enumerate(self._slots) if s is not None]
-                dispatched.append((owners, self.engine.step(active), True))
-            for owners, pending, by_slot in in_flight:  # the previous iteration's results
-                tokens = pending.read()
-                for slot, stream in owners:
-                    self._emit(slot, stream, tokens[slot] if by_slot else tokens[0])
-            in_flight = dispatched
-            if not in_flight:
-                with self._wake:  # idle: sleep until a submit, cancel or stop
-                    if not self._waiting and not self._cancelled and not self._stop.is_set():
-                        self._wake.wait(timeout=1.0)
+                self._fail_all(self._abort_error or f"internal error: {type(e).__name__}: {e}")
+                self._in_flight = []
+                if not self._stop.is_set():
+                    self.engine.reset()
+        self.iterate()  # stopped: ends what is left (cancelled, or failed with the abort's error)
 
     def _fail_all(self, error: str | None) -> None:
         reason = "error" if error else "cancelled"
@@ -287,3 +350,4 @@ class InferenceRunner:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for stream in waiting:
             self._finish(None, stream, reason, error)
+        self._publish_stats()

@@ -53,7 +53,7 @@ class ModelConfig:
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
-    vq_codes: int = 512  # S, codebook size per head
+    vq_codes: int = 512  # C, codebook size per head
     vq_block_len: int = 512  # L, training block length (serving takes any block length)
     vq_mem_len: int = 512  # M, window of exact keys; the position band covers distances 0..M
     vq_pe_lam: float = 1e5  # lambda of the relative-position sinusoids
@@ -193,44 +193,5 @@ def grok_config(**changes: Any) -> ModelConfig:
         sandwich_norms=True,
         moe_routing="grok",
         moe_activation="gelu",
-    )
-    return base.replace(**changes)
-
-
-def tiny_config(**changes: Any) -> ModelConfig:
-    """A small random-weight config for tests: GQA (4 query / 2 kv heads), untied head."""
-    base = ModelConfig(
-        vocab_size=128,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=128,
-        rope_theta=10000.0,
-        tie_embeddings=False,
-        context_length=256,
-    )
-    return base.replace(**changes)
-
-
-def tiny_vq_config(**changes: Any) -> ModelConfig:
-    """A small random-weight Transformer-VQ config for tests: 2 layers (4 GAUs), 2 heads, 8 codes, window 4."""
-    base = ModelConfig(
-        vocab_size=128,
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=0,
-        norm_eps=1e-6,
-        tie_embeddings=True,
-        context_length=256,
-        memory="vq",
-        vq_value_dim=16,
-        vq_codes=8,
-        vq_block_len=4,
-        vq_mem_len=4,
     )
     return base.replace(**changes)

@@ -2,7 +2,7 @@
 
 Keys are replaced by their nearest code, so every key older than the window can be folded into a
 per-code count and mean value, and one block of T tokens attends exactly, in float32, to
-[M window keys + T block keys] plus S aggregate code slots: linear time, constant state.
+[M window keys + T block keys] plus C aggregate code slots: linear time, constant state.
 
 Every head split is head-major (column h * d + e) and the k|v|g projection is fused, as in the
 reference implementation. The codebook is Haiku *state*: gradients never reach it, `ema_update` moves it.
@@ -62,7 +62,7 @@ class AffineRMSNorm(hk.Module):
 
 
 class Codebook(hk.Module):
-    """Per-head codes C = c_sum / max(c_count, 0.01) from EMA state c_sum [H, S, dk], c_count [H, S]."""
+    """Per-head codes = c_sum / max(c_count, 0.01) from EMA state c_sum [H, C, dk], c_count [H, C]."""
 
     def __init__(self, config: ModelConfig, name: str = "codebook"):
         super().__init__(name=name)
@@ -72,11 +72,11 @@ class Codebook(hk.Module):
         h, s, dk = self.c.n_heads, self.c.vq_codes, self.c.head_dim
         c_sum = hk.get_state("c_sum", [h, s, dk], F32, init=hk.initializers.RandomNormal((h * s) ** -0.5))
         c_count = hk.get_state("c_count", [h, s], F32, init=jnp.ones)
-        return jax.lax.stop_gradient(c_sum / jnp.maximum(c_count, 0.01)[..., None])  # [H, S, dk]
+        return jax.lax.stop_gradient(c_sum / jnp.maximum(c_count, 0.01)[..., None])  # [H, C, dk]
 
 
 def quantize(k: jax.Array, codes: jax.Array) -> jax.Array:
-    """Nearest code per key: k [B, H, T, dk], codes [H, S, dk] → z [B, H, T] int32."""
+    """Nearest code per key: k [B, H, T, dk], codes [H, C, dk] → z [B, H, T] int32."""
     dist = jnp.sum(codes * codes, axis=-1)[None, :, None, :] - 2 * jnp.einsum("bhtd,hsd->bhts", k, codes)
     return jnp.argmin(dist, axis=-1).astype(jnp.int32)
 
@@ -84,7 +84,7 @@ def quantize(k: jax.Array, codes: jax.Array) -> jax.Array:
 def attend(q, u, vb, codes, r, z, k_st, v, state: GAUState, step):
     """Attention of a block over window + block keys and the aggregate code slots, in float32.
 
-    q [B,H,T,dk]; u, vb [H,dk] (content / position biases); codes [H,S,dk]; r [H,M+1,dk] (distance
+    q [B,H,T,dk]; u, vb [H,dk] (content / position biases); codes [H,C,dk]; r [H,M+1,dk] (distance
     0..M); z [B,H,T] and v [B,H,T,dv] of the block; k_st: None, or [B,H,T,dk] keys whose gradient the
     block's content scores pass on (straight-through; adds exact zeros to the scores); step [B].
     Returns wv [B,H,T,dv].
@@ -92,8 +92,8 @@ def attend(q, u, vb, codes, r, z, k_st, v, state: GAUState, step):
     m, s, t = state.z_win.shape[-1], codes.shape[1], z.shape[-1]
     w = m + t
     qu, qv = q + u[:, None, :], q + vb[:, None, :]
-    code_scores = jnp.einsum("bhtd,hsd->bhts", qu, codes)  # [B, H, T, S]
-    # Every key is a code, so a key's content score is a gather (empty code S clamps; masked below).
+    code_scores = jnp.einsum("bhtd,hsd->bhts", qu, codes)  # [B, H, T, C]
+    # Every key is a code, so a key's content score is a gather (empty code C clamps; masked below).
     z_keys = jnp.minimum(jnp.concatenate([state.z_win, z], axis=-1), s - 1)  # [B, H, W]
     content = jnp.take_along_axis(code_scores, jnp.broadcast_to(z_keys[:, :, None, :], q.shape[:3] + (w,)), -1)
     if k_st is not None:
@@ -109,7 +109,7 @@ def attend(q, u, vb, codes, r, z, k_st, v, state: GAUState, step):
     scores = jnp.where(valid[:, None], scores, NEG)
     agg = jnp.where(
         state.n[:, :, None, :] > 0, code_scores + jnp.log(jnp.maximum(state.n, 1.0))[:, :, None, :], NEG
-    )  # [B, H, T, S]: exp(q.C_s + log n_s) weighs the n_s tokens of code s at once
+    )  # [B, H, T, C]: exp(q.codes[s] + log n_s) weighs the n_s tokens of code s at once
     probs = jax.nn.softmax(jnp.concatenate([scores, agg], axis=-1), axis=-1)
     v_keys = jnp.concatenate([state.v_win.astype(F32), v], axis=-2)  # [B, H, W, dv]
     return jnp.einsum("bhtw,bhwd->bhtd", probs[..., :w], v_keys) + jnp.einsum(
@@ -129,7 +129,7 @@ class GAU(hk.Module):
         r: this GAU's precomputed position keys [H, M+1, dk], or None to compute them from r_proj.
 
         Returns (out [B,T,D], new state, aux): aux is None, or when is_train (commit [] — mean
-        ||k - sg(C_z)||^2 over real tokens and heads —, count [H,S], k_sum [H,S,dk]) over real tokens.
+        ||k - sg(codes[z])||^2 over real tokens and heads —, count [H,C], k_sum [H,C,dk]) over real tokens.
         """
         c = self.c
         h, dk, dv = c.n_heads, c.head_dim, c.vq_value_dim
@@ -164,8 +164,8 @@ class GAU(hk.Module):
 def _train_aux(k, z, codes, lengths):
     """Commit loss (gradient to k only) and the codebook's EMA statistics over the real tokens."""
     real = (jnp.arange(z.shape[-1])[None, :] < lengths[:, None]).astype(F32)[:, None, :]  # [B, 1, T]
-    hits = jax.nn.one_hot(z, codes.shape[1], dtype=F32) * real[..., None]  # [B, H, T, S]
-    chosen = jnp.einsum("bhts,hsd->bhtd", hits, codes)  # C_z (0 on padding)
+    hits = jax.nn.one_hot(z, codes.shape[1], dtype=F32) * real[..., None]  # [B, H, T, C]
+    chosen = jnp.einsum("bhts,hsd->bhtd", hits, codes)  # codes[z] (0 on padding)
     err = jnp.sum(jnp.square(k - chosen), axis=-1) * real  # [B, H, T]
     commit = jnp.sum(err) / jnp.maximum(jnp.sum(real) * z.shape[1], 1.0)
     k = jax.lax.stop_gradient(k)

@@ -25,18 +25,18 @@ F32 = jnp.float32
 class GAUState(NamedTuple):
     """The state of one GAU (or of all, with a leading [G] axis) for a batch of rows."""
 
-    z_win: jax.Array  # [B, H, M] int32: codes of the last M tokens, oldest first; S = empty
+    z_win: jax.Array  # [B, H, M] int32: codes of the last M tokens, oldest first; C = empty
     v_win: jax.Array  # [B, H, M, dv]: their values
-    n: jax.Array  # [B, H, S] float32: count of older tokens per code
-    u_mean: jax.Array  # [B, H, S, dv] float32: mean value of those tokens per code (0 where n = 0)
+    n: jax.Array  # [B, H, C] float32: count of older tokens per code
+    u_mean: jax.Array  # [B, H, C, dv] float32: mean value of those tokens per code (0 where n = 0)
 
 
 class VQMemory(NamedTuple):
     step: jax.Array  # [B] int32: tokens consumed per slot = position of the next token
     z_win: jax.Array  # [G, B, H, M] int32
     v_win: jax.Array  # [G, B, H, M, dv] (float32, or bfloat16 for bfloat16 weights)
-    n: jax.Array  # [G, B, H, S] float32 (exact integer counts up to 2**24)
-    u_mean: jax.Array  # [G, B, H, S, dv] float32
+    n: jax.Array  # [G, B, H, C] float32 (exact integer counts up to 2**24)
+    u_mean: jax.Array  # [G, B, H, C, dv] float32
 
     @property
     def batch(self) -> int:
@@ -131,9 +131,9 @@ def advance(state: GAUState, z: jax.Array, v: jax.Array, lengths: jax.Array) -> 
     v_all = jnp.concatenate([state.v_win.astype(F32), v.astype(F32)], axis=-2)  # [B, H, M+T, dv]
     # At most T entries leave, all among the first T of window + block.
     leaving = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    hits = jax.nn.one_hot(z_all[..., :t], s, dtype=F32) * leaving[:, None, :, None]  # [B, H, T, S]; S → 0
-    count = hits.sum(axis=-2)  # [B, H, S]
-    v_sum = jnp.einsum("bhts,bhtd->bhsd", hits, v_all[..., :t, :])  # [B, H, S, dv]
+    hits = jax.nn.one_hot(z_all[..., :t], s, dtype=F32) * leaving[:, None, :, None]  # [B, H, T, C]; C → 0
+    count = hits.sum(axis=-2)  # [B, H, C]
+    v_sum = jnp.einsum("bhts,bhtd->bhsd", hits, v_all[..., :t, :])  # [B, H, C, dv]
     n = state.n + count
     # Running mean; codes that gained nothing keep their mean bit for bit.
     delta = (v_sum - count[..., None] * state.u_mean) / jnp.maximum(n, 1.0)[..., None]

@@ -37,9 +37,9 @@ POSITION_KEYS = "decoder/layers/gau/position_keys"  # added by `prepare`: {"r": 
 
 
 class TrainAux(NamedTuple):
-    commit: jax.Array  # []: mean ||k - sg(C_z)||^2 over tokens, heads, GAUs and blocks (gradient to k only)
+    commit: jax.Array  # []: mean ||k - sg(codes[z])||^2 over tokens, heads, GAUs and blocks (gradient to k only)
     stats: (
-        dict  # like the codebook: {".../codebook": {"c_sum": [G,H,S,dk] sum 1[z=s] k, "c_count": [G,H,S] sum 1[z=s]}}
+        dict  # like the codebook: {".../codebook": {"c_sum": [G,H,C,dk] sum 1[z=s] k, "c_count": [G,H,C] sum 1[z=s]}}
     )
 
 
@@ -118,7 +118,7 @@ def train_forward(config: ModelConfig, params, codebook, tokens, carry: VQMemory
     logits = logits.transpose(1, 0, 2, 3).reshape(bsz, t, -1)
     if aux is None:
         return logits, None, carry
-    commit, count, k_sum = aux  # [N, G], [N, G, H, S], [N, G, H, S, dk]
+    commit, count, k_sum = aux  # [N, G], [N, G, H, C], [N, G, H, C, dk]
     (path,) = codebook  # the one stacked codebook module
     stats = {path: {"c_sum": k_sum.sum(axis=0), "c_count": count.sum(axis=0)}}
     return logits, TrainAux(jnp.mean(commit), stats), carry

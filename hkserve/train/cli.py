@@ -1,6 +1,6 @@
 """`hkserve train | train-vocab | validation | test`.
 
-`register(subparsers)` adds the commands to hkserve's parser (server/cli.py). Results go to stdout,
+`register(subparsers)` adds the commands to hkserve's parser (hkserve/cli/main.py). Results go to stdout,
 progress and logs to stderr.
 """
 

@@ -1,0 +1,126 @@
+"""FakeEngine: the Engine interface InferenceRunner uses, with arithmetic for a model (after JetStream's
+mock engine), so runner tests know every token by hand and run in microseconds.
+
+The "model": a slot's next token is (its last token + 1) % vocab_size, starting from the prompt's
+last token; every token has logprob 0 and itself as the only alternative. Like the real Engine it
+keeps a host mirror of each slot's length and raises ContextLengthError when stepping a full slot.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hkserve.engine.engine import ContextLengthError, Token
+from hkserve.engine.runner import Event, RequestStream
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    config: FakeConfig
+
+
+class FakePending:
+    """Tokens "on the device": `read()` returns them (one row per slot for a step, one for a prefill)."""
+
+    def __init__(self, tokens: list[Token]):
+        self.tokens = tokens
+
+    def read(self) -> list[Token]:
+        return self.tokens
+
+
+def token(token_id: int) -> Token:
+    return Token(token_id, 0.0, [(token_id, 0.0)])
+
+
+@dataclass
+class FakeEngine:
+    """`strict_fits=False` admits requests whose prompt + max_tokens exceed max_len (only the prompt
+    is checked): the way to make a running slot reach the context length. With a `gate`, `step` sets
+    `stepping` and then blocks until the gate is set: a device call that does not return."""
+
+    slots: int = 4
+    max_len: int = 64
+    vocab_size: int = 100
+    n_top: int = 5
+    strict_fits: bool = True
+    gate: threading.Event | None = None
+    stepping: threading.Event = field(default_factory=threading.Event)
+    calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
+    last: list[int] = field(init=False)  # each slot's last token: the next step's input
+    positions: np.ndarray = field(init=False)  # tokens in each slot's memory
+
+    def __post_init__(self):
+        self.model = FakeModel(FakeConfig(self.vocab_size))
+        self.last = [0] * self.slots
+        self.positions = np.zeros(self.slots, np.int64)
+
+    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        needed = prompt_len + (max_tokens if self.strict_fits else 0)
+        if needed > self.max_len:
+            raise ContextLengthError(f"the context is {self.max_len} tokens; the request needs {needed}")
+
+    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> FakePending:
+        self.check_fits(len(prompt_ids))
+        self.calls.append(("prefill", slot, list(prompt_ids)))
+        self.last[slot] = (prompt_ids[-1] + 1) % self.vocab_size
+        self.positions[slot] = len(prompt_ids)
+        return FakePending([token(self.last[slot])])
+
+    def step(self, active: np.ndarray) -> FakePending:
+        active = np.asarray(active, bool)
+        if (self.positions[active] >= self.max_len).any():
+            raise ContextLengthError(f"a slot reached the context length {self.max_len}")
+        self.calls.append(("step", [int(i) for i in np.flatnonzero(active)]))
+        self.stepping.set()
+        if self.gate is not None:
+            self.gate.wait()
+        for i in np.flatnonzero(active):
+            self.last[i] = (self.last[i] + 1) % self.vocab_size
+        self.positions += active
+        return FakePending([token(t) for t in self.last])  # idle rows repeat their last token: junk
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+        self.last = [0] * self.slots
+        self.positions[:] = 0
+
+    def warmup(self) -> None:
+        self.calls.append(("warmup",))
+
+
+def events(stream: RequestStream) -> list[Event]:
+    """The events pushed to a (blocking-mode) stream so far, without waiting for more."""
+    out = []
+    while True:
+        try:
+            out.append(stream._sync.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def final_event(stream: RequestStream, timeout: float = 10.0) -> Event:
+    """Wait (bounded) for a stream's final event; tokens before it are skipped."""
+    while True:
+        try:
+            event = stream._sync.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"request {stream.request.id} did not end within {timeout} s") from None
+        if event.finish_reason is not None:
+            return event
+
+
+def token_ids(evs: list[Event]) -> list[int]:
+    return [e.token.id for e in evs if e.token is not None]

@@ -1,0 +1,91 @@
+"""What tests share besides pytest fixtures (those stay in conftest.py): paths, the reference
+fixtures (missing → the test fails, naming where it looked), the CLI in a subprocess, tiny model
+configs and the grok reference reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hkserve.checkpoint.grok import config_from_grok, load_grok
+from hkserve.model.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HKSERVE_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures"
+
+
+def require_fixtures() -> Path:
+    """The reference fixtures directory. They are part of what the suite checks: absent is a failure."""
+    if not FIXTURES.is_dir():
+        pytest.fail(f"reference fixtures not found at {FIXTURES} (set HKSERVE_SHARED to the folder holding fixtures/)")
+    return FIXTURES
+
+
+def hkserve(*args: str, home: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess with its own model store."""
+    env = {**os.environ, "HKSERVE_HOME": str(home)}
+    result = subprocess.run(
+        [sys.executable, "-m", "hkserve.cli.main", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode:
+        raise AssertionError(f"hkserve {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+def tiny_config(**changes: Any) -> ModelConfig:
+    """A small random-weight config: GQA (4 query / 2 kv heads), untied head."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        context_length=256,
+    )
+    return base.replace(**changes)
+
+
+def tiny_vq_config(**changes: Any) -> ModelConfig:
+    """A small random-weight Transformer-VQ config: 2 layers (4 GAUs), 2 heads, 8 codes, window 4."""
+    base = ModelConfig(
+        vocab_size=128,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        context_length=256,
+        memory="vq",
+        vq_value_dim=16,
+        vq_codes=8,
+        vq_block_len=4,
+        vq_mem_len=4,
+    )
+    return base.replace(**changes)
+
+
+def load_grok_npz(path) -> tuple[ModelConfig, dict]:
+    """The grok reference fixture: an .npz of grok-1 Haiku params with its config under meta/config_json."""
+    data = np.load(path, allow_pickle=False)
+    config = config_from_grok(json.loads(str(data["meta/config_json"])))
+    return config, load_grok(data, config)
