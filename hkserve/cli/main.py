@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hkserve.bench.engine import add_bench_parser
+from hkserve.bench.cli import add_bench_parser
 from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl
