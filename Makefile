@@ -22,8 +22,8 @@ test: $(STAMP) lint
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)
-	$(BIN)/ruff check hkserve tests
-	$(BIN)/ruff format --check hkserve tests
+	$(BIN)/ruff check hkserve tests scripts
+	$(BIN)/ruff format --check hkserve tests scripts
 	$(BIN)/lint-imports --no-cache
 
 # Mutation testing ([tool.mutmut] in pyproject.toml; docs/testing.md): slow, not part of `make test`.

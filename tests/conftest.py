@@ -4,6 +4,7 @@ store pulled once per session."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,13 @@ def golden() -> dict:
 
 @pytest.fixture(scope="session")
 def smollm2_home(tmp_path_factory) -> Path:
-    """An HKSERVE_HOME into which `hkserve pull` fetched and converted the default model."""
+    """An HKSERVE_HOME into which `hkserve pull` fetched and converted the default model; or, where
+    HKSERVE_TEST_HOME is set (machines without network: scripts/device-check.sh), that store, which must
+    hold the model already."""
+    if os.environ.get("HKSERVE_TEST_HOME"):
+        home = Path(os.environ["HKSERVE_TEST_HOME"])
+        assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), f"no SmolLM2 in {home}"
+        return home
     home = tmp_path_factory.mktemp("hkhome")
     result = hkserve("pull", "--quiet", home=home)
     assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), result.stderr

@@ -63,7 +63,8 @@ def test_generate_cli_prints_reference_text(smollm2_home, golden, index):
         args = ["generate", message["content"], "--chat"]
     else:
         args = ["generate", case["prompt"]]
-    result = hkserve(*args, "--temperature", "0", "--max-tokens", "32", home=smollm2_home)
+    # float32 as the reference (a GPU would default to bf16)
+    result = hkserve(*args, "--temperature", "0", "--max-tokens", "32", "--weights", "f32", home=smollm2_home)
     assert result.stdout == case["text"] + "\n"
 
 

@@ -1,15 +1,11 @@
-"""Write an HF checkpoint (config.json + model.safetensors) of our params: the inverse of hf.py.
+"""Our params as an HF checkpoint's config and tensors: the inverse of hf.py.
 
 Used to load our weights into a peer implementation (transformers) for benchmarks and comparisons.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
-from safetensors.numpy import save_file
 
 from hkserve.model.config import ModelConfig
 
@@ -28,14 +24,17 @@ _LLAMA_DEFAULTS = {
 
 
 def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
-    """Our param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
-    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. float32.
-    Llama and Mixtral layouts only: a config with another family's options is refused."""
+    """Our float param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
+    [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. In the stored
+    dtype (float32 | bfloat16), on the host. Llama and Mixtral layouts only: a config with another
+    family's options is refused."""
     if config != config.replace(**_LLAMA_DEFAULTS):
         raise ValueError("only Llama/Mixtral-style configs can be written as an HF checkpoint")
+    if config.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"HF tensors are made from float weights, not {config.dtype}")
 
     def get(module: str, name: str) -> np.ndarray:
-        return np.asarray(params[module][name], np.float32)
+        return np.asarray(params[module][name])
 
     out = {
         "model.embed_tokens.weight": get("decoder/embed", "embeddings"),
@@ -65,7 +64,7 @@ def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
-    """Our ModelConfig → an HF config.json (LlamaForCausalLM, or MixtralForCausalLM for MoE), float32."""
+    """Our ModelConfig → an HF config.json (LlamaForCausalLM, or MixtralForCausalLM for MoE)."""
     out = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
@@ -79,7 +78,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         max_position_embeddings=config.context_length,
         tie_word_embeddings=config.tie_embeddings,
         hidden_act="silu",
-        torch_dtype="float32",
+        torch_dtype="bfloat16" if config.dtype == "bfloat16" else "float32",
     )
     if config.n_experts:
         return dict(
@@ -90,10 +89,3 @@ def hf_config_dict(config: ModelConfig) -> dict:
             num_experts_per_tok=config.n_experts_per_token,
         )
     return dict(out, architectures=["LlamaForCausalLM"], model_type="llama")
-
-
-def write_hf_checkpoint(config: ModelConfig, params, directory: str) -> None:
-    """config.json + model.safetensors of `params` in `directory` (which must exist)."""
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config_dict(config), f, indent=2)
-    save_file(hf_checkpoint_tensors(config, params), os.path.join(directory, "model.safetensors"))

@@ -1,5 +1,5 @@
-"""Weight variants of a float32 model: bfloat16 (a cast) and int8 weight-only quantization
-(symmetric absmax per output channel, float32 scales; norm scales stay float32)."""
+"""Weight variants of a float (float32 or bfloat16) model: a cast to the other float dtype, or int8
+weight-only quantization (symmetric absmax per output channel, float32 scales; norm scales stay float32)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def convert_params(params: dict, config: ModelConfig, dtype: str) -> tuple[ModelConfig, dict]:
-    """float32 params of `config` → (config of the variant, its params as numpy)."""
+    """Float params of `config` → (config of the variant, its params as numpy)."""
     target = config.replace(dtype=dtype)
     if dtype == config.dtype:
         return target, params
-    if config.dtype != "float32":
-        raise ValueError(f"variants are made from float32 weights, not {config.dtype}")
+    if config.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"variants are made from float (float32 | bfloat16) weights, not {config.dtype}")
     out: dict = {}
     shapes = param_shapes(target)
     for module, names in shapes.items():

@@ -111,7 +111,7 @@ class ModelStore:
         return config.replace(dtype=WEIGHTS[weights])
 
     def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
-        """Params restored onto `shardings`; a weight variant is made from the float32 master (and
+        """Params restored onto `shardings`; a weight variant is made from the stored master (and
         kept next to it as params-<dtype>) the first time it is asked for."""
         info = self.info(name)
         config = self.config(name, weights)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import jax
+
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
+from hkserve.model.config import default_weights
 from hkserve.model.sharding import param_shardings, parse_mesh
+
+
+def serving_weights(store: ModelStore, name: str, requested: str | None) -> str | None:
+    """--weights as given; else bf16 on an accelerator and f32 on a CPU (`default_weights`), for a KV
+    model. A Transformer-VQ model keeps its stored weights unless asked (it has no variants)."""
+    if requested is None and store.info(name).config.memory == "vq":
+        return None
+    return default_weights(jax.default_backend(), requested)
 
 
 def load_engine(args, slots: int, hosts=None):
@@ -16,7 +27,7 @@ def load_engine(args, slots: int, hosts=None):
     store = ModelStore()
     if args.model == DEFAULT_MODEL and not store.exists(args.model):
         pull(args.model, store)
-    weights = getattr(args, "weights", None)
+    weights = serving_weights(store, args.model, getattr(args, "weights", None))
     config = store.config(args.model, weights)
     mesh = hosts.mesh(args.mesh, config) if hosts else parse_mesh(args.mesh, config)
     data = mesh.shape["data"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hkserve.bench.engine import add_bench_parser
+from hkserve.bench.cli import add_bench_parser
 from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
     p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
-    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=list(WEIGHTS),
+        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     g = p.add_argument_group("multi-host (see docs/deploy.md)")
@@ -139,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="DATAxMODEL device mesh, e.g. 1x8 or 2x4 (default: all on model "
         "if that divides the heads, else all on data)",
     )
-    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help="weight variant (default: as stored)")
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=list(WEIGHTS),
+        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
+    )
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("logits", help="float32 logits of a full forward pass at every position")

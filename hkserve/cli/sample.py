@@ -35,7 +35,12 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--mesh", default=None)
-    p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8"], help="weight variant")
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=["f32", "bf16", "int8"],
+        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
+    )
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

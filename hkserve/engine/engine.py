@@ -192,20 +192,33 @@ class Engine:
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         check_context(self.max_len, prompt_len, max_tokens)
 
+    def continuation_windows(self) -> tuple[int, ...]:
+        """Windows that the later chunks of a prompt longer than the largest bucket attend over."""
+        chunk = self.prefill_buckets[-1]
+        return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
+
+    def _prefill_chunk(self, slot: int, piece: list[int], attend_len: int, bucket: int, row) -> jax.Array:
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(piece)] = piece
+        fn = self._compiled_fn("prefill", attend_len)
+        slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
+        self.state, out = fn(self.params, self.state, tokens, length, slot_arr, row)
+        return out
+
     def prefill(self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
-        (one row)."""
+        (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
+        prompt to the largest, so they need one program per window, not one per bucket and window."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
         chunk = self.prefill_buckets[-1]
-        slot_arr = np.asarray([slot], np.int32)
         for start in range(0, len(prompt_ids), chunk):
             piece = list(prompt_ids[start : start + chunk])
-            bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))]
-            tokens = np.zeros((1, bucket), np.int32)
-            tokens[0, : len(piece)] = piece
-            fn = self._compiled_fn("prefill", 0 if start == 0 else self._window(start))
-            self.state, out = fn(self.params, self.state, tokens, np.asarray([len(piece)], np.int32), slot_arr, row)
+            if start == 0:
+                bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))]
+                out = self._prefill_chunk(slot, piece, 0, bucket, row)
+            else:
+                out = self._prefill_chunk(slot, piece, self._window(start), chunk, row)
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
 
@@ -220,9 +233,14 @@ class Engine:
         return PendingTokens(out)
 
     def warmup(self) -> None:
-        """Compile every prefill bucket and decode window now, not on the first request."""
+        """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
+        each continuation window of long prompts, each decode window. len(buckets) + 2 × len(windows)
+        programs at most, whatever the number of slots (the step is one program for all of them)."""
         for bucket in self.prefill_buckets:
             self.prefill(0, [0] * bucket)
+        row = make_settings([SamplingParams()], self.model.config.vocab_size)
+        for window in self.continuation_windows():  # one token each: compiles the program, writes little
+            self._prefill_chunk(0, [0], window, self.prefill_buckets[-1], row)
         only_first = np.eye(self.slots, dtype=bool)[0]
         for w in self.windows:
             self.positions[0] = w - 1

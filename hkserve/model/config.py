@@ -168,6 +168,17 @@ class ModelConfig:
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}  # --weights names → dtypes
 
 
+def default_weights(backend: str, requested: str | None) -> str:
+    """The --weights name to serve with: as requested, else f32 on a CPU backend (XLA's CPU matrix
+    products are slow in bfloat16) and bf16 on any accelerator (gpu, cuda, rocm, tpu: bandwidth-bound
+    decode reads half the bytes, and the KV memory follows the weights' dtype)."""
+    if requested is not None:
+        if requested not in WEIGHTS:
+            raise ValueError(f"unknown weights {requested!r} ({' | '.join(WEIGHTS)})")
+        return requested
+    return "f32" if backend == "cpu" else "bf16"
+
+
 def grok_config(**changes: Any) -> ModelConfig:
     """The grok-1 architecture (sandwich norms, capped attention logits, multipliers, MoE with grok's
     routing and gated-gelu experts, tied embeddings) at the size of the grok fixture; scale with

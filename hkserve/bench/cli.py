@@ -1,0 +1,82 @@
+"""The `bench` subcommand and its benchmarks: engine, serve, moe, vq."""
+
+from __future__ import annotations
+
+import argparse
+
+from hkserve.bench import engine as bench_engine
+from hkserve.bench import moe as bench_moe
+from hkserve.bench import serve as bench_serve
+from hkserve.bench import vq as bench_vq
+from hkserve.bench.random_models import RANDOM_CONFIGS
+from hkserve.checkpoint.store import DEFAULT_MODEL
+from hkserve.model.config import WEIGHTS
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=DEFAULT_MODEL, help="a model of the store")
+    source.add_argument(
+        "--random",
+        default=None,
+        choices=list(RANDOM_CONFIGS),
+        help="instead of a stored model: random weights of these shapes, made on the device in --dtype",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(WEIGHTS),
+        help="weights of the measured engine and of the peer (default: bf16 on a GPU/TPU, f32 on a CPU)",
+    )
+    p.add_argument("--slots", type=_int_list, default=[1, 4, 16], help="comma list of slot counts (default 1,4,16)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
+    p.add_argument("--repeats", type=int, default=3, help="timed measurements per figure; the median is reported")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens prefilled into every slot")
+    p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.add_argument(
+        "--hf-batches", type=_int_list, default=[1, 8], help="batch sizes of the transformers peer (default 1,8)"
+    )
+    p.add_argument(
+        "--bandwidth-method",
+        default="auto",
+        choices=["auto", "host", "device"],
+        help="host: numpy sums in host memory; device: a jitted copy in device memory (HBM); auto: device "
+        "on an accelerator, host on a CPU",
+    )
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
+    p.add_argument("--matmul-n", type=int, default=None, help="n of the n×n matmul (default 2048 on CPU, else 8192)")
+    p.add_argument("--weights", default=None, help="also measure these stored weight variants, e.g. f32,bf16,int8")
+    p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """`bench` with its benchmarks as sub-subcommands: engine, serve, moe, vq."""
+    bench = subparsers.add_parser("bench", help="measure throughput (see docs/benchmarks.md)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = kinds.add_parser("engine", help="decode tok/s of the Engine vs transformers and this machine's limits")
+    add_engine_arguments(p)
+    p.set_defaults(func=bench_engine.cmd_bench_engine)
+
+    p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.run)
+
+    p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
+    bench_moe.add_arguments(p)
+    p.set_defaults(func=bench_moe.run)
+
+    p = kinds.add_parser("vq", help="per-token decode time and memory per slot: Transformer-VQ vs KV by context")
+    bench_vq.add_arguments(p)
+    p.set_defaults(func=bench_vq.run)
+    return bench

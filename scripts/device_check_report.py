@@ -1,0 +1,203 @@
+"""The reports of scripts/device-check.sh.
+
+env OUT_JSON: the machine, the versions that matter, and whether every distribution of
+    scripts/device-wheels.txt is installed with its requirements met (a carried wheel that needs a
+    newer package than the machine has shows up here, not as an ImportError three stages later).
+summary STAGES_TSV TESTS_XML RESULTS_DIR: tests.json from pytest's JUnit XML, summary.json from the
+    stages and the benchmark JSONs, and a summary on stdout. Exits 1 if a stage failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import json
+import platform
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import jax
+from packaging.requirements import Requirement
+
+WHEELS = Path(__file__).with_name("device-wheels.txt")
+MODULES = ("haiku", "gguf", "fastapi", "uvicorn", "openai", "jsonschema", "hkserve.api.app", "hkserve.bench.cli")
+BENCHES = ("bench-llama-1b", "bench-smollm2")
+
+
+def wanted_distributions() -> list[str]:
+    return [line.strip() for line in WHEELS.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def unmet_requirements(names: list[str]) -> list[str]:
+    """'dist: requirement (have version)' for each requirement of `names` this environment does not meet."""
+    problems = []
+    for name in names:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            problems.append(f"{name}: not installed")
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                problems.append(f"{name}: {text} (not installed)")
+                continue
+            if not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{name}: {text} (have {have})")
+    return problems
+
+
+def version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_names() -> list[str]:
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return result.stdout.strip().splitlines()
+
+
+def torch_cuda() -> str:
+    try:
+        import torch  # optional here, as for the bench peer
+    except ImportError as e:
+        return f"torch not importable: {e}"
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device for torch"
+
+
+def env(out: Path) -> int:
+    names = wanted_distributions()
+    failed_imports = {}
+    for module in MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # any failure to import is the finding
+            failed_imports[module] = f"{type(e).__name__}: {e}"
+    report = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "gpus": gpu_names(),
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "torch_cuda": torch_cuda(),
+        "versions": {n: version(n) for n in ("jax", "jaxlib", "torch", "transformers", "orbax-checkpoint", *names)},
+        "unmet_requirements": unmet_requirements(names),
+        "failed_imports": failed_imports,
+    }
+    out.write_text(json.dumps(report, indent=2))
+    versions = report["versions"]
+    print(f"python {report['python']}, jax {versions['jax']} on {report['jax_backend']}: {report['jax_devices']}")
+    print(f"GPUs: {report['gpus'] or 'none'}; torch: {report['torch_cuda']}")
+    for problem in report["unmet_requirements"]:
+        print(f"UNMET: {problem}")
+    for module, error in failed_imports.items():
+        print(f"IMPORT FAILED: {module}: {error}")
+    return 1 if failed_imports else 0
+
+
+def read_stages(path: Path) -> list[dict]:
+    stages = []
+    for line in path.read_text().splitlines():
+        name, rc, seconds, note = (line.split("\t") + [""] * 4)[:4]
+        status = "skipped" if rc == "skipped" else "ok" if rc == "0" else "timed out" if rc == "124" else "failed"
+        stages.append({"stage": name, "status": status, "exit": rc, "seconds": int(seconds), "note": note})
+    return stages
+
+
+def read_tests(junit: Path) -> dict | None:
+    """pytest's JUnit XML → {passed, failed, skipped, cases: [{name, outcome, seconds, message}]}."""
+    if not junit.is_file():
+        return None
+    cases = []
+    for case in ET.parse(junit).iter("testcase"):
+        problem = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        outcome = "passed" if problem is None else {"failure": "failed", "error": "failed"}.get(problem.tag, "skipped")
+        cases.append(
+            {
+                "name": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": None if problem is None else (problem.get("message") or "")[:500],
+            }
+        )
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "skipped")}
+    return {**counts, "cases": cases}
+
+
+def bench_summary(report: dict) -> dict:
+    """The figures the GPU section of docs/benchmarks.md records, from one `bench engine --json` line."""
+    limits = report["limits"]
+    ours, peer = report["hkserve"], report["hf_transformers"] or {}
+    return {
+        "model": report["model"],
+        "dtype": report["dtype"],
+        "device": report["env"]["device"],
+        "bandwidth_gb_s": limits["bandwidth_gb_s"],
+        "batch1_limit_tok_s": limits["bandwidth_tok_s"],
+        "hkserve_tok_s": ours,
+        "transformers_tok_s": peer or None,
+        "batch1_pct_of_bandwidth_limit": 100 * ours["1"] / limits["bandwidth_tok_s"] if "1" in ours else None,
+        "hkserve_over_transformers": {n: ours[n] / peer[n] for n in ours if n in peer},
+    }
+
+
+def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
+    stages = read_stages(stages_tsv)
+    tests = read_tests(junit)
+    if tests is not None:
+        (results / "tests.json").write_text(json.dumps(tests, indent=2))
+    benches = {
+        name: bench_summary(json.loads((results / f"{name}.json").read_text()))
+        for name in BENCHES
+        if (results / f"{name}.json").is_file()
+    }
+    (results / "summary.json").write_text(json.dumps({"stages": stages, "tests": tests, "bench": benches}, indent=2))
+
+    print("== summary")
+    for s in stages:
+        print(f"{s['stage']:<18}{s['status']:<11}{s['seconds']:>5} s  {s['note']}")
+    if tests is not None:
+        print(f"tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped")
+        for case in tests["cases"]:
+            if case["outcome"] == "failed":
+                print(f"  FAILED {case['name']}: {case['message']}")
+    for name, b in benches.items():
+        print(
+            f"{name}: {b['model']} in {b['dtype']} on {b['device']}: memory bandwidth {b['bandwidth_gb_s']:.0f} GB/s "
+            f"(device copy, read + written) → batch-1 limit {b['batch1_limit_tok_s']:.0f} tok/s; hkserve batch 1 "
+            f"reaches {b['batch1_pct_of_bandwidth_limit'] or 0:.1f}% of it"
+        )
+        peer = b["transformers_tok_s"] or {}
+        for n, tok_s in b["hkserve_tok_s"].items():
+            theirs = f"transformers {peer[n]:.1f} tok/s ({tok_s / peer[n]:.2f}x)" if n in peer else "transformers -"
+            print(f"  {n:>3} slots: hkserve {tok_s:.1f} tok/s, {theirs}")
+    return 1 if any(s["status"] in ("failed", "timed out") for s in stages) else 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["env"] and len(argv) == 2:
+        return env(Path(argv[1]))
+    if argv[:1] == ["summary"] and len(argv) == 4:
+        return summary(Path(argv[1]), Path(argv[2]), Path(argv[3]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

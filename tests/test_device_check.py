@@ -1,0 +1,73 @@
+"""scripts/device-check.sh cannot rot: its dry run (JAX on the CPU, toy sizes) goes through every stage of
+the GPU run, with a tiny GGUF standing in for SmolLM2 through the same split, stash, join and convert."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO, SHARED, require_fixtures
+
+STAGES = ("setup", "convert-smollm2", "golden-tests", "bench-llama-1b", "bench-smollm2")
+
+
+def run(*args: str, env: dict) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, (
+        f"{args} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
+    )
+    return result
+
+
+def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
+    gguf = require_fixtures() / "gguf" / "tiny-llama3-rope" / "tiny-llama3-rope.f32.gguf"
+    dev, stash, out = tmp_path / "dev", tmp_path / "stash", tmp_path / "out"
+    env = {
+        **os.environ,
+        "DEVICE_CHECK_DRY_RUN": "1",
+        "DEVICE_CHECK_DEV": str(dev),
+        "DEVICE_CHECK_STASH": str(stash),
+        "HKSERVE_SHARED": str(SHARED),
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+    }
+    run("scripts/device-wheels.sh", "--gguf", str(gguf), "--skip-wheels", env=env)
+    halves = (dev / "part1" / "smollm2.gguf.part1").read_bytes() + (dev / "part2" / "smollm2.gguf.part2").read_bytes()
+    assert halves == gguf.read_bytes()
+    assert (dev / "part2" / "smollm2.gguf.sha256").read_text().strip() == hashlib.sha256(halves).hexdigest()
+    assert (dev / "shared" / "fixtures" / "smollm2_golden.json").is_file()
+
+    run("scripts/device-check.sh", "--stage", "1", env=env)
+    assert (stash / "smollm2.gguf.part1").is_file()
+    result = run("scripts/device-check.sh", env=env)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert {s["stage"]: s["status"] for s in summary["stages"]} == dict.fromkeys(STAGES, "ok"), result.stdout[-4000:]
+    assert summary["tests"]["passed"] == 2 and summary["tests"]["failed"] == 0
+    for name in ("bench-llama-1b", "bench-smollm2"):
+        bench = summary["bench"][name]
+        assert bench["dtype"] == "bfloat16" and set(bench["hkserve_tok_s"]) == {"1", "2"}
+        assert bench["bandwidth_gb_s"] > 0 and bench["batch1_pct_of_bandwidth_limit"] > 0
+        report = json.loads((out / f"{name}.json").read_text())
+        assert report["limits"]["bandwidth_method"] == "device"
+    assert summary["bench"]["bench-llama-1b"]["model"] == "random:tiny-llama"
+    environment = json.loads((out / "env.json").read_text())
+    assert environment["failed_imports"] == {} and environment["jax_backend"] == "cpu"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(
+        ["device-check.log", "env.json", "tests.json", "summary.json", *(f"{n}.json" for n in summary["bench"])]
+    )
+    assert "== summary" in result.stdout and "batch-1 limit" in result.stdout
+
+    # A fresh machine (part 1 gone) with almost no time left: every stage says why it did not run.
+    run(
+        "scripts/device-check.sh",
+        env={**env, "DEVICE_CHECK_STASH": str(tmp_path / "cold"), "DEVICE_CHECK_BUDGET_S": "15"},
+    )
+    notes = {s["stage"]: (s["status"], s["note"]) for s in json.loads((out / "summary.json").read_text())["stages"]}
+    assert notes["setup"] == notes["bench-llama-1b"] == ("skipped", "out of time")
+    assert notes["convert-smollm2"][0] == "skipped" and "halves are not both here" in notes["convert-smollm2"][1]
+    assert notes["golden-tests"] == notes["bench-smollm2"] == ("skipped", "no SmolLM2 store")
