@@ -52,7 +52,7 @@ def test_converted_gguf_matches_reference_and_generates_text(store, name):
     assert len(prompt) > 2 and (tokenizer.bos_id is None or prompt[0] == tokenizer.bos_id)
     runner = InferenceRunner(Engine(model, params, slots=1, max_len=32, prefill_buckets=(16,))).start(warmup=False)
     try:
-        out = [t.id for t in runner.generate(Request(prompt, 6, {"temperature": 0.0}, tokenizer.stop_ids))]
+        out = [t.id for t in runner.generate(Request(prompt, 6, stop_ids=tokenizer.stop_ids))]
     finally:
         runner.stop()
     assert out and isinstance(tokenizer.decode(out), str)

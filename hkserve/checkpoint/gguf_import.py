@@ -9,6 +9,7 @@ gate|up in ffn_up. Tensors are dequantized one at a time; one the mapping does n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -92,6 +93,24 @@ def _ffn(t: _Tensors, p: str, arch: str, config: ModelConfig) -> dict:
     return {"gate_proj": gate.T, "up_proj": up.T, "down_proj": t.get(p + "ffn_down.weight").T}
 
 
+def _layer(t: _Tensors, i: int, arch: str, config: ModelConfig) -> dict:
+    p = f"blk.{i}."
+    return {**_norms(t, p, config), **_attention(t, p, arch, config), **_ffn(t, p, arch, config)}
+
+
+def _tensors(
+    t: _Tensors, arch: str, config: ModelConfig, progress: bool
+) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """The file in the neutral layout of params.py, dequantized one layer at a time."""
+    yield "embed", None, t.get("token_embd.weight")
+    for i in tqdm(range(config.n_layers), desc="dequantize", unit="layer", disable=not progress):
+        for key, value in _layer(t, i, arch, config).items():
+            yield key, i, value
+    yield "final_norm", None, t.norm("output_norm.weight")
+    if not config.tie_embeddings:
+        yield "lm_head", None, t.get("output.weight").T
+
+
 def load_gguf(
     path: str | Path, dtype: str = "float32", progress: bool = False
 ) -> tuple[ModelConfig, dict, gguf.GGUFReader]:
@@ -100,13 +119,7 @@ def load_gguf(
     config = config_from_gguf(reader, dtype)
     arch = field(reader, "general.architecture")
     t = _Tensors(reader, config.norm_offset)
-    layers = []
-    for i in tqdm(range(config.n_layers), desc="dequantize", unit="layer", disable=not progress):
-        p = f"blk.{i}."
-        layers.append({**_norms(t, p, config), **_attention(t, p, arch, config), **_ffn(t, p, arch, config)})
-    tensors = {"embed": t.get("token_embd.weight"), "final_norm": t.norm("output_norm.weight"), "layers": layers}
-    if not config.tie_embeddings:
-        tensors["lm_head"] = t.get("output.weight").T
+    params = assemble_params(config, _tensors(t, arch, config, progress))
     if t.unread:
         raise ImportFormatError(f"{arch}: tensors this importer does not use: {', '.join(sorted(t.unread)[:5])}")
-    return config, assemble_params(config, tensors), reader
+    return config, params, reader

@@ -63,15 +63,11 @@ def load_grok(tensors: dict, config: ModelConfig) -> dict:
         except KeyError:
             raise ImportFormatError(f"grok checkpoint lacks {name}") from None
 
-    layers = [
-        {ours: take(f"transformer/decoder_layer_{i}/{theirs}") for theirs, ours in _LAYER.items()}
-        for i in range(config.n_layers)
-    ]
-    return assemble_params(
-        config,
-        {
-            "embed": take("language_model/in_out_embed/embeddings"),
-            "final_norm": take("language_model/rms_norm/scale"),
-            "layers": layers,
-        },
-    )
+    def neutral():  # the neutral layout of params.py, layer by layer
+        yield "embed", None, take("language_model/in_out_embed/embeddings")
+        for i in range(config.n_layers):
+            for theirs, ours in _LAYER.items():
+                yield ours, i, take(f"transformer/decoder_layer_{i}/{theirs}")
+        yield "final_norm", None, take("language_model/rms_norm/scale")
+
+    return assemble_params(config, neutral())

@@ -9,6 +9,7 @@ silently dropped.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,17 @@ def _layer(t: SafetensorsDir, i: int, family: str, config: ModelConfig) -> dict:
     return {**_norms(t, p, family), **_attention(t, p, family, config), **_ffn(t, p, family, config)}
 
 
+def _tensors(t: SafetensorsDir, family: str, config: ModelConfig) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """The checkpoint in the neutral layout of params.py, read one layer at a time."""
+    yield "embed", None, t.get("model.embed_tokens.weight")
+    for i in range(config.n_layers):
+        for key, value in _layer(t, i, family, config).items():
+            yield key, i, value
+    yield "final_norm", None, t.get("model.norm.weight")
+    if not config.tie_embeddings:
+        yield "lm_head", None, t.get("lm_head.weight").T
+
+
 def load_hf(directory: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """Read config and weights of an HF directory → (ModelConfig, Haiku params as numpy)."""
     directory = Path(directory)
@@ -81,16 +93,10 @@ def load_hf(directory: str | Path, dtype: str = "float32") -> tuple[ModelConfig,
     config = config_from_hf(raw, dtype)
     family = family_of(raw)
     t = SafetensorsDir(directory)
-    tensors = {
-        "embed": t.get("model.embed_tokens.weight"),
-        "layers": [_layer(t, i, family, config) for i in range(config.n_layers)],
-        "final_norm": t.get("model.norm.weight"),
-    }
-    if not config.tie_embeddings:
-        tensors["lm_head"] = t.get("lm_head.weight").T
-    else:
+    params = assemble_params(config, _tensors(t, family, config))
+    if config.tie_embeddings:
         t.unread.discard("lm_head.weight")  # a tied model's saved copy of the embeddings: transformers ties it too
     left = sorted(n for n in t.unread if not n.endswith(_IGNORED_SUFFIXES))
     if left:
         raise ImportFormatError(f"{family}: tensors this importer does not use: {', '.join(left[:5])}")
-    return config, assemble_params(config, tensors)
+    return config, params

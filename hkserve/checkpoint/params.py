@@ -1,19 +1,20 @@
 """Assemble importer output into the decoder's Haiku param tree, checking every name and shape.
 
-Importers speak one neutral layout, independent of the file format:
-  {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only),
-   "layers": [ {"attn_norm": [D], "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
-                optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh], "q_norm", "k_norm": [Dh],
-                "post_attn_norm", "post_mlp_norm": [D],
-                "mlp_norm": [D], "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
-                or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D]}
-     per layer ]}
+Importers speak one neutral layout, independent of the file format: a stream of
+(key, layer index or None, array), with the keys
+  top level (layer None): "embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only);
+  per layer: "attn_norm": [D], "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
+    optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh], "q_norm", "k_norm": [Dh],
+    "post_attn_norm", "post_mlp_norm": [D],
+    "mlp_norm": [D], "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
+    or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D].
 Linear weights are [in, out]; importers transpose from the [out, in] convention of HF and GGUF.
 """
 
 from __future__ import annotations
 
-import jax
+from collections.abc import Iterable
+
 import numpy as np
 
 from hkserve.model.build import param_shapes
@@ -53,35 +54,41 @@ _TOP_PATHS = {
 }
 
 
-def assemble_params(config: ModelConfig, tensors: dict) -> dict:
-    """Neutral layout → {module: {name: np.ndarray}} in the config's dtype; errors name the tensor."""
+def assemble_params(config: ModelConfig, tensors: Iterable[tuple[str, int | None, np.ndarray]]) -> dict:
+    """(key, layer index or None, array) in the neutral layout → {module: {name: np.ndarray}} in the
+    param dtypes; errors name the tensor.
+
+    Every param is allocated once, at its final shape and dtype ([L, ...] for the layer stacks), and
+    each tensor is copied (cast, transposed as the importer's view says) into its place as it arrives:
+    the importer can drop it right after, so converting holds the model once, plus the tensor in hand.
+    """
     expected = param_shapes(config)
-    dtype = np.dtype(jax.numpy.dtype(config.dtype))
-    params: dict = {}
-
-    def put(path: tuple[str, str], value: np.ndarray, label: str):
-        module, name = path
-        spec = expected.get(module, {}).get(name)
-        if spec is None:
+    params = {
+        module: {name: np.empty(s.shape, s.dtype) for name, s in names.items()} for module, names in expected.items()
+    }
+    filled: dict[tuple[str, str], set] = {}
+    for key, layer, value in tensors:
+        paths = _TOP_PATHS if layer is None else _LAYER_PATHS
+        label = key if layer is None else f"layers.{layer}.{key}"
+        if key not in paths or paths[key][1] not in expected.get(paths[key][0], {}):
             raise ImportFormatError(f"tensor {label} has no place in this config")
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ImportFormatError(f"tensor {label}: shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-        params.setdefault(module, {})[name] = np.ascontiguousarray(value).astype(dtype, copy=False)
-
-    for key, value in tensors.items():
-        if key != "layers":
-            put(_TOP_PATHS[key], np.asarray(value), key)
-    layers = tensors.get("layers", [])
-    if len(layers) != config.n_layers:
-        raise ImportFormatError(f"found {len(layers)} layers, config says {config.n_layers}")
-    for key in layers[0] if layers else ():
-        missing = [i for i, layer in enumerate(layers) if key not in layer]
-        if missing:
-            raise ImportFormatError(f"layer {missing[0]} lacks tensor {key}")
-        put(_LAYER_PATHS[key], np.stack([np.asarray(layer[key]) for layer in layers]), f"layers.*.{key}")
+        module, name = paths[key]
+        target = params[module][name]
+        if layer is not None:
+            if not 0 <= layer < config.n_layers:
+                raise ImportFormatError(f"found layer {layer}, config says {config.n_layers} layers")
+            target = target[layer]
+        if value.shape != target.shape:
+            raise ImportFormatError(f"tensor {label}: shape {tuple(value.shape)}, expected {target.shape}")
+        target[...] = value
+        filled.setdefault((module, name), set()).add(layer)
 
     for module, names in expected.items():
         for name in names:
-            if name not in params.get(module, {}):
+            have = filled.get((module, name))
+            if not have:
                 raise ImportFormatError(f"checkpoint lacks {module}/{name}")
+            if None not in have and len(have) < config.n_layers:
+                first = min(set(range(config.n_layers)) - have)
+                raise ImportFormatError(f"layer {first} lacks tensor {module}/{name}")
     return params

@@ -65,4 +65,4 @@ class SafetensorsDir:
         count = (end - begin) // np.dtype(dtype).itemsize
         data = np.fromfile(path, dtype=dtype, count=count, offset=start + begin)
         self.unread.discard(name)
-        return data.reshape(entry["shape"]).astype(np.float32)
+        return data.reshape(entry["shape"]).astype(np.float32, copy=False)

@@ -9,6 +9,7 @@ from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import load_engine
 from hkserve.cli.token_ids import prompt_ids
 from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.sampling import SamplingParams
 
 
 def run_generate_ids(args) -> int:
@@ -20,7 +21,7 @@ def run_generate_ids(args) -> int:
     if tokenizer is None and not args.output_ids:
         raise ValueError(f"model {args.model!r} has no tokenizer: use --output-ids")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": seed}
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed)
     stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     runner = InferenceRunner(load_engine(args, slots=1)).start(warmup=False)
     try:
