@@ -27,6 +27,7 @@ import numpy as np
 
 from hkserve.bench import moe as bench_moe
 from hkserve.bench import serve as bench_serve
+from hkserve.bench import soak as bench_soak
 from hkserve.bench import vq as bench_vq
 from hkserve.checkpoint.hf_write import write_hf_checkpoint
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
@@ -384,7 +385,7 @@ def print_table(report: dict, config) -> None:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """`bench` with its benchmarks as sub-subcommands: engine, serve, moe, vq."""
+    """`bench` with its benchmarks as sub-subcommands: engine, serve, soak, moe, vq."""
     bench = subparsers.add_parser("bench", help="measure throughput (see docs/benchmarks.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -406,6 +407,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.run)
+
+    p = kinds.add_parser("soak", help="steady mixed HTTP traffic for a while: the server's RSS and fds before/after")
+    bench_soak.add_arguments(p)
+    p.set_defaults(func=bench_soak.run)
 
     p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
     bench_moe.add_arguments(p)
