@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from hkserve.checkpoint.hf_write import hf_config_dict
 from hkserve.model.config import ModelConfig

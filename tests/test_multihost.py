@@ -15,7 +15,10 @@ import types
 import httpx
 import pytest
 from helpers import REPO
+from test_scoring import reference_logprobs
 from test_serve import free_port
+
+from hkserve.model.build import build_model
 
 NAME = "smollm2-135m-instruct"
 
@@ -162,6 +165,20 @@ def test_8_concurrent_streams_with_cancels_all_end_correctly(hosts, golden):
         time.sleep(0.1)
     assert "hkserve_requests_running 0.0" in metrics and "hkserve_requests_waiting 0.0" in metrics
     assert _stream(hosts.url, path, body)[0] == case["text"]  # the cancelled slots were freed cleanly
+
+
+def test_a_scored_prompt_over_two_hosts_equals_the_models_log_softmax(hosts, golden, smollm2):
+    # host 1 must replay the scoring prefill: without it the two hosts' programs no longer match
+    _, info, _, params = smollm2
+    case = golden["cases"][0]
+    body = {"model": NAME, "prompt": case["prompt_ids"], "echo": True, "logprobs": 1, "max_tokens": 0}
+    reply = httpx.post(hosts.url + "/v1/completions", json=body, timeout=300).json()
+    got = reply["choices"][0]["logprobs"]["token_logprobs"]
+    ids = case["prompt_ids"]
+    want = reference_logprobs(build_model(info.config), params, ids)[range(len(ids) - 1), ids[1:]]
+    assert got[0] is None and got[1:] == pytest.approx(list(want), abs=1e-4)
+    path, body = _request(case)  # and the hosts go on in step
+    assert httpx.post(hosts.url + path, json=body, timeout=300).json()["choices"][0]["text"] == case["text"]
 
 
 def test_killing_host_1_mid_stream_errors_the_client_and_host_0_exits_naming_it(hosts):

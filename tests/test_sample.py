@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import REPO, hkserve
 from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
 
@@ -136,3 +137,52 @@ def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # n
     assert "invalid JSON" in out[1]["error"]
     assert "prompt" in out[2]["error"]
     assert "maximum context length is 256" in out[3]["error"]
+
+
+# Line 2 repeats line 1's id; line 3 names itself "line 8", the implicit id of the unnamed eighth line.
+REPEATED_IDS = [
+    {"id": "dup", "prompt": "In the beginning"},
+    {"id": "dup", "prompt": "And the earth"},
+    {"id": "line 8", "prompt": "And God said"},
+    *({"id": f"x{i}", "prompt": f"Let there be {i}"} for i in range(4)),
+    {"prompt": "And the evening"},
+    {"id": "last", "prompt": "And the morning"},
+]
+
+
+@pytest.fixture(scope="module")
+def repeated_ids_whole(tmp_path_factory, tiny_home):  # noqa: F811
+    """The input with repeated ids, and the output of one uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("repeated")
+    write_jsonl(tmp / "in.jsonl", REPEATED_IDS)
+    args, env = _sample_cmd(tmp / "in.jsonl", tmp / "whole.jsonl", tiny_home)
+    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    whole = read_jsonl(tmp / "whole.jsonl")
+    assert [o["id"] for o in whole] == ["dup", "dup", "line 8", "x0", "x1", "x2", "x3", "line 8", "last"]
+    return tmp / "in.jsonl", whole
+
+
+@pytest.mark.parametrize(
+    "written",
+    [1, 3],  # 1: the second "dup" is still to do; 3: the explicit "line 8" is written, the implicit one is not
+    ids=["repeated-id", "explicit-id-equals-implicit-id"],
+)
+def test_resume_after_a_repeated_id_loses_no_line(tmp_path, tiny_home, repeated_ids_whole, written):  # noqa: F811
+    inp, whole = repeated_ids_whole
+    out = tmp_path / "out.jsonl"
+    write_jsonl(out, whole[:written])  # what a kill after `written` lines leaves
+    args, env = _sample_cmd(inp, out, tiny_home)
+    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    assert read_jsonl(out) == whole
+
+
+def test_resume_refuses_an_output_of_another_input_naming_the_line(tmp_path, tiny_home):  # noqa: F811
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    out = tmp_path / "out.jsonl"
+    write_jsonl(out, [{"id": "a", "text": "1"}, {"id": "c", "text": "2"}])
+    before = out.read_bytes()
+    args, env = _sample_cmd(tmp_path / "in.jsonl", out, tiny_home)
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    assert 'line 2 is the result for id "c", but input line 2 has id "b"' in result.stderr
+    assert out.read_bytes() == before  # nothing written over

@@ -24,6 +24,7 @@ from hkserve.api import formats
 from hkserve.api.generation import Generation, Update
 from hkserve.api.metrics import Metrics
 from hkserve.api.protocol import (
+    COMPLETION_MAX_TOKENS,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -209,14 +210,17 @@ def create_app(
             return tokenizer.encode(prompt)
         return list(prompt)
 
-    def _limits(prompts: list[list[int]], requested: int | None) -> list[int]:
+    def _limits(prompts: list[list[int]], requested: int | None, default: int | None) -> list[int]:
+        """Tokens to generate per prompt: as requested, else `default` shortened to what fits (None: to
+        the end of the context)."""
         out = []
         for ids in prompts:
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
-            wanted = requested if requested is not None else max_len - len(ids)
+            room = max_len - len(ids)
+            wanted = requested if requested is not None else max(1, min(room, default or room))
             try:
-                check_context(max_len, len(ids), max(wanted, 1))
+                check_context(max_len, len(ids), wanted)
             except ContextLengthError as e:
                 raise domain_error(e) from e
             out.append(wanted)
@@ -276,12 +280,11 @@ def create_app(
         body = await _parse(request, CompletionRequest)
         sampling = _sampling(body)
         _check_model(body.model)
-        if body.echo and body.logprobs:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
         prompts = [_prompt_ids(p) for p in body.prompts()]
-        limits = _limits(prompts, body.max_tokens)
+        limits = _limits(prompts, body.max_tokens, COMPLETION_MAX_TOKENS)
         gen = Generation(runner, tokenizer, metrics, "completion")
-        gen.submit(prompts, body.n, limits, sampling, body.stop, body.logprobs or 0, body.ignore_eos)
+        logprobs = body.logprobs or 0
+        gen.submit(prompts, body.n, limits, sampling, body.stop, logprobs, body.ignore_eos, body.prompt_scoring())
         echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
         fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
@@ -295,7 +298,7 @@ def create_app(
             prompt = tokenizer.encode_chat(body.template_messages())
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        limits = _limits([prompt], body.token_limit)
+        limits = _limits([prompt], body.token_limit, None)
         gen = Generation(runner, tokenizer, metrics, "chat")
         top = (body.top_logprobs or 0) if body.logprobs else 0
         gen.submit([prompt], body.n, limits, sampling, body.stop, top, body.ignore_eos)

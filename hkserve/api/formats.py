@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hkserve.api.generation import Generation, Update
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.engine import Token
+from hkserve.engine.engine import ScoredToken, Token
 
 
 class _Format:
@@ -48,26 +48,50 @@ class CompletionFormat(_Format):
     def __init__(self, tokenizer: Tokenizer, model: str, body, echo: list[str] | None):
         super().__init__(tokenizer, model, body)
         self.echo = echo  # prompt texts, when echo is on
+        self.scored = body.prompt_scoring() is not None  # the prompt comes back scored, as a first update
         self.offsets: dict[int, int] = {}
 
     def _logprobs(self, index: int, entries: list[Token]) -> dict | None:
         if self.body.logprobs is None:  # 0 still means: the chosen tokens' logprobs
             return None
         tokens, lps, tops, offsets = [], [], [], []
-        for token_id, logprob, top in entries:
-            text = self._token_str(token_id)
+        for token in entries:
+            text = self._token_str(token.id)
             offsets.append(self.offsets.get(index, 0))
             self.offsets[index] = self.offsets.get(index, 0) + len(text)
             tokens.append(text)
-            lps.append(logprob)
-            tops.append({self._token_str(i): lp for i, lp in top})
+            lps.append(token.logprob)
+            tops.append(None if token.logprob is None else {self._token_str(i): lp for i, lp in token.top})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echoed(self, u: Update) -> list[Token]:
+        """The echoed prompt's logprob entries (OpenAI's legacy echo): the first token's are null."""
+        if not self.echo or self.body.logprobs is None:
+            return []
+        first = Token(u.choice.completion.request.prompt_ids[0], None, [])
+        return [first] + [Token(t.id, t.logprob, t.top[: self.body.logprobs]) for t in u.prompt]
+
+    def _prompt_logprobs(self, scored: list[ScoredToken]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first token, then {id: {logprob, rank, decoded_token}}
+        for the token and the most likely ones at its position."""
+        out: list[dict | None] = [None]
+        for t in scored:
+            ranked = {t.id: (t.logprob, t.rank)}
+            for rank, (i, lp) in enumerate(t.top[: self.body.prompt_logprobs], 1):
+                ranked.setdefault(i, (lp, rank))
+            out.append(
+                {
+                    str(i): {"logprob": lp, "rank": r, "decoded_token": self._token_str(i)}
+                    for i, (lp, r) in ranked.items()
+                }
+            )
+        return out
 
     def _prefix(self, index: int) -> str:
         return self.echo[index // self.body.n] if self.echo else ""
 
     def _head(self, gen: Generation) -> list[dict]:
-        if not self.echo:
+        if not self.echo or self.scored:  # a scored prompt is echoed with its logprobs, once they come
             return []
         return [
             self._envelope(
@@ -78,24 +102,36 @@ class CompletionFormat(_Format):
             for c in gen.choices
         ]
 
+    def _with_prompt(self, choice: dict, u: Update | None) -> dict:
+        """vLLM's prompt_logprobs added to a choice, when asked for (`u`: the scored prompt's update)."""
+        if self.body.prompt_logprobs is None:
+            return choice
+        return {**choice, "prompt_logprobs": self._prompt_logprobs(u.prompt) if u else None}
+
     def _chunk_choice(self, u: Update) -> dict | None:
-        logprobs = self._logprobs(u.choice.index, u.logprobs) if u.logprobs else None
+        index = u.choice.index
+        if u.prompt is not None:
+            echoed = self._echoed(u)
+            logprobs = self._logprobs(index, echoed) if echoed else None
+            choice = {"index": index, "text": self._prefix(index), "logprobs": logprobs, "finish_reason": None}
+            return self._with_prompt(choice, u)
+        logprobs = self._logprobs(index, u.logprobs) if u.logprobs else None
         if not u.text and u.finish_reason is None and logprobs is None:
             return None
-        return {"index": u.choice.index, "text": u.text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+        return {"index": index, "text": u.text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 
     def final(self, gen: Generation, per_choice: list[list[Update]]) -> dict:
         choices = []
         for c, updates in zip(gen.choices, per_choice):
-            entries = [e for u in updates for e in u.logprobs]
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": self._prefix(c.index) + "".join(u.text for u in updates),
-                    "logprobs": self._logprobs(c.index, entries),
-                    "finish_reason": c.finish_reason,
-                }
-            )
+            prompt = next((u for u in updates if u.prompt is not None), None)
+            entries = (self._echoed(prompt) if prompt else []) + [e for u in updates for e in u.logprobs]
+            choice = {
+                "index": c.index,
+                "text": self._prefix(c.index) + "".join(u.text for u in updates),
+                "logprobs": self._logprobs(c.index, entries),
+                "finish_reason": c.finish_reason,
+            }
+            choices.append(self._with_prompt(choice, prompt))
         return {**self._envelope(gen, self.object_final, choices), "usage": gen.usage()}
 
 

@@ -13,7 +13,7 @@ from hkserve.api.metrics import Metrics
 from hkserve.api.protocol import domain_error
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.completion import Completion, GenerationFailed, usage
-from hkserve.engine.engine import Token
+from hkserve.engine.engine import ScoredToken, Token
 from hkserve.engine.runner import Event, Overloaded, Request
 from hkserve.model.sampling import SamplingParams
 
@@ -30,12 +30,14 @@ class Choice:
 
 @dataclass
 class Update:
-    """What one event changed in one choice: new text, new logprob entries, and maybe the finish."""
+    """What one event changed in one choice: new text, new logprob entries, and maybe the finish; or
+    the scored prompt."""
 
     choice: Choice
     text: str
     logprobs: list[Token]
     finish_reason: str | None
+    prompt: list[ScoredToken] | None = None
 
 
 class Generation:
@@ -59,8 +61,10 @@ class Generation:
         stop: list[str],
         logprobs: int,
         ignore_eos: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> None:
-        """Choice i of the request samples with seed `sampling.seed + i`."""
+        """Choice i of the request samples with seed `sampling.seed + i`; each scores its prompt, with
+        `prompt_logprobs` top alternatives per token, unless that is None."""
         loop = asyncio.get_running_loop()
         stop_ids = () if ignore_eos else self.tokenizer.stop_ids
         try:
@@ -68,7 +72,7 @@ class Generation:
                 for j in range(n):
                     index = p * n + j
                     seeded = replace(sampling, seed=(sampling.seed + index) % 2**32)
-                    request = Request(list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs)
+                    request = Request(list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs, prompt_logprobs)
                     stream = self.runner.submit(request, loop)
                     completion = Completion(stream, self.tokenizer, self.runner.cancel, stop)
                     self.choices.append(Choice(index, completion))
@@ -116,9 +120,9 @@ class Generation:
             self._observe_token(choice)
         if delta.finish_reason is not None:
             self._finish(choice, OPENAI_FINISH.get(delta.finish_reason, "stop"))
-        elif not delta.text and not delta.logprobs:
+        elif not delta.text and not delta.logprobs and delta.prompt is None:
             return None  # EOS: no text, and no logprob a client sees
-        return Update(choice, delta.text, delta.logprobs, choice.finish_reason)
+        return Update(choice, delta.text, delta.logprobs, choice.finish_reason, delta.prompt)
 
     def _observe_token(self, choice: Choice) -> None:
         now = time.monotonic()

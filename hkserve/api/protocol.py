@@ -19,6 +19,7 @@ from hkserve.model.sampling import InvalidSampling, SamplingParams
 MAX_N = 16
 MAX_STOP = 16
 OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # OpenAI's default temperature; the engine's is greedy
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions (chat has none: to the context)
 
 
 class APIError(Exception):
@@ -99,8 +100,10 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: no tokens, the prompt alone (echoed or scored)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: top alternatives per prompt token
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -109,7 +112,17 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported by this server")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs")
         return self
+
+    def prompt_scoring(self) -> int | None:
+        """Top alternatives per prompt token when the prompt comes back scored (echo with logprobs,
+        prompt_logprobs, or max_tokens 0, the prompt alone); None when it does not."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None and self.prompt_logprobs is None and self.max_tokens != 0:
+            return None
+        return max(echoed or 0, self.prompt_logprobs or 0)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

@@ -1,4 +1,4 @@
-"""The `bench` subcommand and its benchmarks: engine, serve, moe, vq."""
+"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, vq."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from hkserve.bench import engine as bench_engine
 from hkserve.bench import moe as bench_moe
 from hkserve.bench import serve as bench_serve
+from hkserve.bench import soak as bench_soak
 from hkserve.bench import vq as bench_vq
 from hkserve.bench.random_models import RANDOM_CONFIGS
 from hkserve.checkpoint.store import DEFAULT_MODEL
@@ -60,7 +61,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """`bench` with its benchmarks as sub-subcommands: engine, serve, moe, vq."""
+    """`bench` with its benchmarks as sub-subcommands: engine, serve, soak, moe, vq."""
     bench = subparsers.add_parser("bench", help="measure throughput (see docs/benchmarks.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -71,6 +72,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.run)
+
+    p = kinds.add_parser("soak", help="steady mixed HTTP traffic for a while: the server's RSS and fds before/after")
+    bench_soak.add_arguments(p)
+    p.set_defaults(func=bench_soak.run)
 
     p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
     bench_moe.add_arguments(p)

@@ -10,6 +10,8 @@ process, as in deployment, so client overhead does not steal the engine's interp
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import socket
@@ -41,6 +43,40 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _health(port: int) -> int | None:
+    """/health's status code, or None while nothing answers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def serving(model: str, slots: int, max_queue: int, ready_within: float = 900):
+    """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
+    cmd += ["--slots", str(slots), "--max-queue", str(max_queue)]
+    print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    try:
+        deadline = time.time() + ready_within
+        while _health(port) != 200:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
+            if time.time() > deadline:
+                raise RuntimeError(f"the server was not ready within {ready_within:.0f} s")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def _one_request(url: str, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
@@ -103,40 +139,8 @@ def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: in
 
 
 def run(args) -> int:
-    import httpx
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     levels = [int(x) for x in args.concurrency.split(",")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "hkserve.cli.main",
-        "serve",
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-        "--slots",
-        str(max(args.slots, max(levels))),
-        "--max-queue",
-        str(4 * max(levels) + 8),
-    ]
-    print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    try:
-        deadline = time.time() + 900
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("the server was not ready within 900 s")
-            time.sleep(0.5)
+    with serving(args.model, max(args.slots, max(levels)), 4 * max(levels) + 8) as (url, _):
         _phase(url, args.model, 1, 2, args.max_tokens)  # warm the HTTP path
         report = {}
         for c in levels:
@@ -148,9 +152,6 @@ def run(args) -> int:
                 f"p99 {r['ttft_p99_ms']:7.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms",
                 flush=True,
             )
-    finally:
-        server.terminate()
-        server.wait(60)
     if args.json:
         print(json.dumps(report))
     return 0

@@ -6,9 +6,12 @@ penalties, logit_bias). Output lines, one per input
 line and in input order: {"id", "text", "finish_reason", "usage"} or {"id", "error"}.
 
 Resumable: results are written strictly in input order, one whole line per write, so after a kill the
-output is a prefix of the final file; a re-run drops a torn last line, skips the ids already written
-and continues. Seeds are per line (its own, or --seed + line index), so a resumed run writes exactly
-what an uninterrupted one would.
+output is a prefix of the final file; a re-run drops a torn last line and continues after the lines
+already written. Resuming goes by position, so ids need not be unique (two lines with the same id, or
+an explicit id "line 8" beside an unnamed eighth line, both get their result); each written line's id
+must still be its input line's, else the output belongs to another input and the run is refused. Seeds
+are per line (its own, or --seed + line index), so a resumed run writes exactly what an uninterrupted
+one would.
 """
 
 from __future__ import annotations
@@ -49,26 +52,43 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _line_key(index: int, record) -> str:
+def line_id(index: int, record):
     """Output id of an input line: its id, or its line number when it has none."""
     if isinstance(record, dict) and record.get("id") is not None:
-        return json.dumps(record["id"])
-    return json.dumps(f"line {index + 1}")
+        return record["id"]
+    return f"line {index + 1}"
 
 
-def completed_ids(path: Path) -> set[str]:
-    """Ids already in the output; a torn (unterminated or unparsable) last line is cut off first."""
+def _parse(raw: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+
+
+def resume_point(path: Path, ids: list) -> int:
+    """How many input lines the output already holds (their results are its lines, in input order);
+    a torn (unterminated) last line is cut off first. Raises ValueError, naming the line, when a
+    written id is not its input line's: that output belongs to another input."""
     if not path.exists():
-        return set()
+        return 0
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1
+    written = data[:cut].decode().splitlines()
+    if len(written) > len(ids):
+        raise ValueError(f"{path} has {len(written)} results but the input only {len(ids)} lines: use another --output")
+    for n, (line, want) in enumerate(zip(written, ids), 1):
+        record = _parse(line)
+        got = record.get("id") if isinstance(record, dict) else None
+        if json.dumps(got) != json.dumps(want):
+            raise ValueError(
+                f"{path} line {n} is the result for id {json.dumps(got)}, but input line {n} has id "
+                f"{json.dumps(want)}: the output belongs to another input (use another --output)"
+            )
     if cut < len(data):
         with open(path, "r+b") as f:
             f.truncate(cut)
-    done = set()
-    for line in data[:cut].decode().splitlines():
-        done.add(json.dumps(json.loads(line)["id"]))
-    return done
+    return len(written)
 
 
 class Job:
@@ -80,8 +100,7 @@ class Job:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
             record, self.error = None, f"invalid JSON: {e}"
-        self.key = _line_key(index, record)
-        self.id = json.loads(self.key)
+        self.id = line_id(index, record)
         if self.error:
             return
         try:
@@ -133,13 +152,15 @@ async def _complete(job: Job, runner, tokenizer) -> dict:
     }
 
 
-async def sample_file(runner, tokenizer, max_len: int, args) -> dict:
-    """Run every line not yet in the output; returns counts and timing."""
+def input_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+async def sample_file(runner, tokenizer, max_len: int, args, lines: list[str], start: int) -> dict:
+    """Run the input lines from `start` on (those before are in the output); returns counts and timing."""
     out_path = Path(args.output)
-    done = completed_ids(out_path)
-    lines = [line for line in Path(args.input).read_text().splitlines() if line.strip()]
     jobs = [Job(i, raw, args, tokenizer, max_len) for i, raw in enumerate(lines)]
-    todo = [j for j in jobs if j.key not in done]
+    todo = jobs[start:]
     window = asyncio.Semaphore(runner.engine.slots + runner.max_queue // 2)  # keep every slot busy, queue bounded
     results: dict[int, dict] = {}
     next_to_write = 0
@@ -167,10 +188,12 @@ async def sample_file(runner, tokenizer, max_len: int, args) -> dict:
 
 
 def run(args) -> int:
+    lines = input_lines(Path(args.input))
+    start = resume_point(Path(args.output), [line_id(i, _parse(raw)) for i, raw in enumerate(lines)])
     tokenizer, runner, max_len = load_runner(args, slots=args.slots, start=False, max_queue=max(64, 2 * args.slots))
     runner.start(warmup=True)
     try:
-        stats = asyncio.run(sample_file(runner, tokenizer, max_len, args))
+        stats = asyncio.run(sample_file(runner, tokenizer, max_len, args, lines, start))
     finally:
         runner.stop()
     rate = stats["requests"] / stats["seconds"] if stats["seconds"] else 0.0

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.engine import Token
+from hkserve.engine.engine import ScoredToken, Token
 from hkserve.engine.runner import Event, RequestStream
 from hkserve.engine.textstream import TextStream
 
@@ -27,6 +27,7 @@ class Delta(NamedTuple):
     token: Token | None  # the token that arrived (counted in usage); None for the runner's final event
     logprobs: list[Token]  # tokens whose logprobs the client sees: the token, unless it was EOS
     finish_reason: str | None  # stop | length | cancelled, once the completion has ended
+    prompt: list[ScoredToken] | None = None  # the scored prompt (tokens 1..), when it was asked for
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -76,6 +77,8 @@ class Completion:
             raise GenerationFailed(event.error)
         if self.finish_reason is not None:
             return None
+        if event.prompt is not None:
+            return Delta("", None, [], None, event.prompt)
         if event.token is None:
             self.finish_reason = event.finish_reason
             return Delta(self._text.finish(), None, [], self.finish_reason)

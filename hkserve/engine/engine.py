@@ -138,8 +138,9 @@ class Engine:
         return DecodeState(memory, rows, settings, TokenHistory(table, table))
 
     # -- compiled bodies ------------------------------------------------------------------------
-    def _prefill_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings):
-        """tokens [1, T] (one chunk of one prompt) into slot [1]; attend_len 0 starts the slot afresh."""
+    def _fill(self, attend_len, params, state: DecodeState, tokens, length, slot, last_only: bool):
+        """tokens [1, T] (one chunk of one prompt) into slot [1]; attend_len 0 starts the slot afresh.
+        Returns the logits ([1, V] of the last real token if last_only, else [1, T, V]) and the state."""
         memory, history = state.memory, state.history
         t_idx = jnp.arange(tokens.shape[1])
         seen = jnp.zeros((self.model.config.vocab_size,), bool)
@@ -149,11 +150,27 @@ class Engine:
             history = TokenHistory(history.counts.at[slot].set(0), history.in_prompt.at[slot].set(seen))
         else:
             history = history._replace(in_prompt=history.in_prompt.at[slot].set(history.in_prompt[slot] | seen))
-        logits, memory = self.model.forward(params, tokens, memory, length, slot, attend_len, True)
-        row_history = TokenHistory(history.counts[slot], history.in_prompt[slot])
-        out = sample(logits, row_settings, memory.step[slot], self.n_top, row_history)
+        logits, memory = self.model.forward(params, tokens, memory, length, slot, attend_len, last_only)
+        return logits, state._replace(memory=memory, history=history)
+
+    def _sample_first(self, state: DecodeState, logits, slot, row_settings):
+        """Sample the slot's first token from its last prompt token's logits [1, V]."""
+        row_history = TokenHistory(state.history.counts[slot], state.history.in_prompt[slot])
+        out = sample(logits, row_settings, state.memory.step[slot], self.n_top, row_history)
         settings = jax.tree_util.tree_map(lambda all_, row: all_.at[slot].set(row), state.settings, row_settings)
-        return DecodeState(memory, state.tokens.at[slot].set(out.token), settings, history), pack(out)
+        return state._replace(tokens=state.tokens.at[slot].set(out.token), settings=settings), pack(out)
+
+    def _prefill_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings):
+        logits, state = self._fill(attend_len, params, state, tokens, length, slot, True)
+        return self._sample_first(state, logits, slot, row_settings)
+
+    def _score_impl(self, attend_len, params, state: DecodeState, tokens, length, slot, row_settings, targets):
+        """_prefill_impl that also scores targets [1, T] (each position's next prompt token) under the
+        logits of every position: the one program that computes the head over the whole chunk."""
+        logits, state = self._fill(attend_len, params, state, tokens, length, slot, False)  # [1, T, V]
+        last = jnp.take(logits[0], jnp.maximum(length - 1, 0), axis=0)  # [1, V]
+        state, packed = self._sample_first(state, last, slot, row_settings)
+        return state, packed, score_targets(logits[0], targets[0], self.n_top)
 
     def _step_impl(self, attend_len, params, state: DecodeState, active):
         """One token for every active slot ([B] bool); idle slots compute but write nothing."""
@@ -176,6 +193,10 @@ class Engine:
                 fn = functools.partial(self._prefill_impl, attend_len)
                 in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep)
                 out_sh = (self.state_shardings, rep)
+            elif kind == "score":
+                fn = functools.partial(self._score_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep)
+                out_sh = (self.state_shardings, rep, rep)
             else:
                 # `active` and the sampled tokens are replicated: tiny, and every host can then
                 # pass and read them even when the slots' rows live on other hosts.
@@ -197,28 +218,56 @@ class Engine:
         chunk = self.prefill_buckets[-1]
         return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
 
-    def _prefill_chunk(self, slot: int, piece: list[int], attend_len: int, bucket: int, row) -> jax.Array:
+    def _prefill_chunk(
+        self, slot: int, piece: list[int], attend_len: int, bucket: int, row, following: list[int] | None = None
+    ):
+        """One chunk padded to `bucket` → its sampled-token output; with `following` (the prompt tokens
+        after each of the chunk's), the scoring program → (output, scores) instead."""
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, : len(piece)] = piece
-        fn = self._compiled_fn("prefill", attend_len)
         slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
-        self.state, out = fn(self.params, self.state, tokens, length, slot_arr, row)
-        return out
+        args = (self.params, self.state, tokens, length, slot_arr, row)
+        if following is None:
+            self.state, out = self._compiled_fn("prefill", attend_len)(*args)
+            return out
+        targets = np.zeros((1, bucket), np.int32)
+        targets[0, : len(following)] = following
+        self.state, out, scored = self._compiled_fn("score", attend_len)(*args, targets)
+        return out, scored
 
     def prefill(self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
         (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
         prompt to the largest, so they need one program per window, not one per bucket and window."""
+        return self._prefill(slot, prompt_ids, settings, None)
+
+    def score_prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None
+    ) -> tuple[PendingTokens, PendingScores]:
+        """`prefill` that also scores the prompt: each token's logprob, rank and the n_top most likely
+        alternatives given the tokens before it. Its own compiled programs (per bucket and window), so
+        a plain prefill computes nothing for it."""
+        chunks: list[tuple[jax.Array, int]] = []
+        pending = self._prefill(slot, prompt_ids, settings, chunks)
+        return pending, PendingScores(chunks)
+
+    def _prefill(self, slot, prompt_ids, settings, scores: list | None) -> PendingTokens:
+        """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
         chunk = self.prefill_buckets[-1]
         for start in range(0, len(prompt_ids), chunk):
             piece = list(prompt_ids[start : start + chunk])
             if start == 0:
-                bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))]
-                out = self._prefill_chunk(slot, piece, 0, bucket, row)
+                bucket, attend_len = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))], 0
             else:
-                out = self._prefill_chunk(slot, piece, self._window(start), chunk, row)
+                bucket, attend_len = chunk, self._window(start)
+            if scores is None:
+                out = self._prefill_chunk(slot, piece, attend_len, bucket, row)
+            else:
+                following = list(prompt_ids[start + 1 : start + 1 + len(piece)])
+                out, scored = self._prefill_chunk(slot, piece, attend_len, bucket, row, following)
+                scores.append((scored, len(piece)))
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
 
@@ -256,6 +305,28 @@ class Token(NamedTuple):
     top: list[tuple[int, float]]  # most likely alternatives (id, logprob), best first
 
 
+class ScoredToken(NamedTuple):
+    """One prompt token scored under the model given the tokens before it."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely tokens at its position (id, logprob), best first
+    rank: int  # 1 + how many tokens were more likely
+
+
+def score_targets(logits: jax.Array, targets: jax.Array, k: int) -> jax.Array:
+    """Log-softmax of logits [T, V] at targets [T]: [T, 3 + 2k] float32 rows of (target id, its
+    logprob, its rank, k top ids, k top logprobs), one array for one device→host copy."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
+    rank = 1 + jnp.sum(logprobs > chosen, axis=-1, keepdims=True)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+    f32 = jnp.float32
+    return jnp.concatenate(
+        [targets.astype(f32)[:, None], chosen, rank.astype(f32), top_ids.astype(f32), top_logprobs], axis=-1
+    )
+
+
 def pack(out: SampleOutput) -> jax.Array:
     """All of a sample in one float32 array [B, 2 + 2K], so one device→host copy carries it.
     Token ids are exact in float32 below 2**24."""
@@ -279,3 +350,22 @@ class PendingTokens:
         ids = host[:, 2 : 2 + k].astype(np.int64).tolist()
         lps = host[:, 2 + k :].tolist()
         return [Token(int(row[0]), float(row[1]), list(zip(i, lp))) for row, i, lp in zip(host, ids, lps)]
+
+
+class PendingScores:
+    """A scoring prefill's per-chunk scores on the device, host copies started (see PendingTokens)."""
+
+    def __init__(self, chunks: list[tuple[jax.Array, int]]):
+        self.chunks = chunks  # (scores [T, 3 + 2K], real positions) per prefill chunk
+        for scores, _ in chunks:
+            scores.copy_to_host_async()
+
+    def read(self) -> list[ScoredToken]:
+        """Prompt tokens 1.. scored (the first has nothing before it to be scored on)."""
+        host = np.concatenate([np.asarray(scores)[:n] for scores, n in self.chunks])[:-1]
+        k = (host.shape[1] - 3) // 2
+        ids = host[:, 3 : 3 + k].astype(np.int64).tolist()
+        lps = host[:, 3 + k :].tolist()
+        return [
+            ScoredToken(int(row[0]), float(row[1]), list(zip(i, lp)), int(row[2])) for row, i, lp in zip(host, ids, lps)
+        ]

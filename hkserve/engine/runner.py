@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hkserve.engine.engine import ContextLengthError, Engine, PendingTokens, Token
+from hkserve.engine.engine import ContextLengthError, Engine, PendingScores, PendingTokens, ScoredToken, Token
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -53,17 +53,20 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # default: greedy
     stop_ids: tuple[int, ...] = ()  # finishing tokens (EOS and any stop token ids)
     logprobs: int = 0  # top alternatives wanted per token
+    prompt_logprobs: int | None = None  # score the prompt, with this many top alternatives per token
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     submitted_at: float = field(default_factory=time.monotonic)
 
 
 class Event(NamedTuple):
-    """One generated token, or the end of a request (finish_reason set: stop | length | cancelled | error)."""
+    """One generated token, the scored prompt (first, when asked for), or the end of a request
+    (finish_reason set: stop | length | cancelled | error)."""
 
     request_id: str
     token: Token | None
     finish_reason: str | None = None
     error: str | None = None
+    prompt: list[ScoredToken] | None = None  # prompt tokens 1.. (the first cannot be scored)
 
 
 class RequestStream:
@@ -109,6 +112,13 @@ class _Slot(NamedTuple):
     length: int  # tokens in the slot's memory once the dispatched device work completes
 
 
+class _InFlight(NamedTuple):
+    owners: list[tuple[int, RequestStream]]
+    pending: PendingTokens
+    by_slot: bool  # rows indexed by slot (a step), or one row (a prefill)
+    scores: PendingScores | None = None  # a scoring prefill's prompt scores
+
+
 class RunnerStats(NamedTuple):
     slots: int
     running: int
@@ -131,9 +141,9 @@ class InferenceRunner:
         self._wake = threading.Condition(self._lock)  # signalled on submit / cancel / stop / abort
         # The loop's own (see the module docstring):
         self._slots: list[_Slot | None] = [None] * engine.slots
-        # Each entry: (owners [(slot, stream)], pending tokens, rows indexed by slot?)
-        self._in_flight: list[tuple[list[tuple[int, RequestStream]], PendingTokens, bool]] = []
+        self._in_flight: list[_InFlight] = []  # the last pass's dispatched device work, read next pass
         self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
+        self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -179,16 +189,17 @@ class InferenceRunner:
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 when scoring the prompt), got {request.max_tokens}")
         self.engine.check_fits(len(request.prompt_ids), request.max_tokens)
         vocab = self.engine.model.config.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         request.sampling.check_vocab(vocab)
-        if request.logprobs > self.engine.n_top:
-            raise ValueError(f"at most {self.engine.n_top} top logprobs are available, {request.logprobs} requested")
+        wanted = max(request.logprobs, request.prompt_logprobs or 0)
+        if wanted > self.engine.n_top:
+            raise ValueError(f"at most {self.engine.n_top} top logprobs are available, {wanted} requested")
         stream = RequestStream(request, loop)
         with self._wake:
             if self._stop.is_set():
@@ -232,20 +243,22 @@ class InferenceRunner:
             return False
         self._sweep_cancelled()
         admitted = self._admit()
-        dispatched = [([(slot, stream)], pending, False) for slot, stream, pending in admitted]
+        dispatched = list(admitted)
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
         full = [i for i, s in enumerate(self._slots) if s is not None and s.length >= self.engine.max_len]
         active = np.asarray([s is not None and i not in full for i, s in enumerate(self._slots)])
         if active.any():
             owners = [(int(i), self._slots[i].stream) for i in np.flatnonzero(active)]
-            dispatched.append((owners, self.engine.step(active), True))
+            dispatched.append(_InFlight(owners, self.engine.step(active), True))
             for i, _ in owners:
                 self._slots[i] = self._slots[i]._replace(length=self._slots[i].length + 1)
-        for owners, pending, by_slot in self._in_flight:  # the previous iteration's results
-            tokens = pending.read()
-            for slot, stream in owners:
-                self._emit(slot, stream, tokens[slot] if by_slot else tokens[0])
-        just_admitted = {slot for slot, _, _ in admitted}
+        for flight in self._in_flight:  # the previous iteration's results
+            tokens = flight.pending.read()
+            for slot, stream in flight.owners:
+                if flight.scores is not None:
+                    self._emit_prompt(stream, flight.scores.read())
+                self._emit(slot, stream, tokens[slot] if flight.by_slot else tokens[0])
+        just_admitted = {slot for flight in admitted for slot, _ in flight.owners}
         for i in full:
             s = self._slots[i]
             if s is not None and i not in just_admitted:
@@ -290,7 +303,7 @@ class InferenceRunner:
         with self._lock:  # every such request has ended now (or never existed)
             self._cancelled -= cancelled
 
-    def _admit(self) -> list[tuple[int, RequestStream, PendingTokens]]:
+    def _admit(self) -> list[_InFlight]:
         admitted = []
         free = [i for i, s in enumerate(self._slots) if s is None]
         spent = 0
@@ -303,14 +316,32 @@ class InferenceRunner:
             request = stream.request
             spent += len(request.prompt_ids)
             stream.admitted_at = time.monotonic()
+            scores = None
             try:
-                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+                if request.prompt_logprobs is None:
+                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+                else:
+                    pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
             except (ValueError, ContextLengthError) as e:
                 self._finish(None, stream, "error", str(e))
                 continue
-            self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
-            admitted.append((slot, stream, pending))
+            if request.max_tokens:
+                self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
+            else:  # only the prompt's scores are wanted: the slot is free again at once
+                self._prompt_only.append(stream)
+                free.insert(0, slot)
+            admitted.append(_InFlight([(slot, stream)], pending, False, scores))
         return admitted
+
+    def _emit_prompt(self, stream: RequestStream, scored: list[ScoredToken]) -> None:
+        """Deliver the request's scored prompt; a request for no tokens ends with it."""
+        request = stream.request
+        if not stream.done:
+            top = request.prompt_logprobs
+            stream.push(Event(request.id, None, prompt=[t._replace(top=t.top[:top]) for t in scored]))
+        if request.max_tokens == 0:
+            self._prompt_only.remove(stream)
+            self._finish(None, stream, "length")
 
     def _emit(self, slot: int, stream: RequestStream, token: Token) -> None:
         """Deliver one token of the request in `slot`; finish it on a stop id or max_tokens."""
@@ -348,6 +379,7 @@ class InferenceRunner:
                 self._finish(i, s.stream, reason, error)
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for stream in waiting:
+        prompt_only, self._prompt_only = self._prompt_only, []
+        for stream in waiting + prompt_only:
             self._finish(None, stream, reason, error)
         self._publish_stats()

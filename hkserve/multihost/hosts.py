@@ -121,11 +121,19 @@ class LeaderEngine:
         return getattr(self._engine, name)
 
     def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
-        settings = settings or SamplingParams()
-        self._leader.broadcast(
-            _call("prefill", slot=int(slot), ids=[int(t) for t in prompt_ids], settings=dataclasses.asdict(settings))
-        )
+        settings = self._announce("prefill", slot, prompt_ids, settings)
         return self._engine.prefill(slot, prompt_ids, settings)
+
+    def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
+        settings = self._announce("score_prefill", slot, prompt_ids, settings)
+        return self._engine.score_prefill(slot, prompt_ids, settings)
+
+    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None) -> SamplingParams:
+        """Send a prefill call to the followers; returns the settings it carries."""
+        settings = settings or SamplingParams()
+        ids = [int(t) for t in prompt_ids]
+        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings)))
+        return settings
 
     def step(self, active):
         active = np.asarray(active, bool)
@@ -154,6 +162,7 @@ def follow(engine, follower: Follower) -> int:
     channel's reader thread, since this thread may be inside a collective that never completes."""
     calls = {
         "prefill": lambda m: engine.prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
+        "score_prefill": lambda m: engine.score_prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
         "reset": lambda m: engine.reset(),
         "warmup": lambda m: engine.warmup(),
