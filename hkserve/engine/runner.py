@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hkserve.engine.engine import ContextLengthError, Engine, PendingTokens, Token
+from hkserve.engine.engine import DecodeStateLost, Engine, PendingTokens, Token
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -170,10 +170,18 @@ class InferenceRunner:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        """End a request at the next step and free its slot (no-op for finished requests)."""
+        """End a request: a waiting one leaves the queue now (its place is free for the next submit), a
+        running one frees its slot at the next step. A no-op for finished requests."""
         with self._wake:
-            self._cancelled.add(request_id)
-            self._wake.notify()
+            waiting = next((s for s in self._waiting if s.request.id == request_id), None)
+            if waiting is not None:
+                self._waiting.remove(waiting)
+                waiting.done = True
+            else:
+                self._cancelled.add(request_id)
+                self._wake.notify()
+        if waiting is not None:
+            waiting.push(Event(request_id, None, "cancelled"))
 
     def stats(self) -> RunnerStats:
         return RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), len(self._waiting))
@@ -227,8 +235,12 @@ class InferenceRunner:
             stream.admitted_at = time.monotonic()
             try:
                 pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
-            except (ValueError, ContextLengthError) as e:
-                self._finish(None, stream, "error", str(e))
+            except Exception as e:  # this request only: its slot stays free, the others go on
+                if not isinstance(e, ValueError):
+                    log.exception("prefill of request %s failed", request.id)
+                self._finish(None, stream, "error", f"the request could not be started: {e}")
+                if isinstance(e, DecodeStateLost):
+                    raise  # every slot's state went with it: the loop fails the others and resets
                 continue
             self._slots[slot] = _Slot(stream, 0)
             admitted.append((slot, stream, pending))
