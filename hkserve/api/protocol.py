@@ -218,6 +218,8 @@ def _check_values(data) -> None:
         if isinstance(node, str):
             _check_text(node)
             continue
+        if not isinstance(node, (list, dict)):
+            continue
         if depth > MAX_DEPTH:
             raise APIError(400, f"the request body is nested more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
