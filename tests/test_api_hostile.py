@@ -240,18 +240,30 @@ def test_slow_heads_and_bodies_are_cut_off_and_connections_are_capped(serve):
     assert until(lambda: httpx.get(server.url + "/health").status_code == 200)
 
 
-def test_a_client_that_never_reads_its_stream_is_cancelled_and_cut_off(serve, tokenizer):
-    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT))  # no EOS: it produces until max_tokens
-    server, _ = serve(runner, ServerLimits(max_stream_backlog=64, send_timeout_s=1.0), max_len=1_000_000)
+def never_reading_stream(server) -> socket.socket:
+    """A streaming request for 500,000 tokens from a client with a tiny receive buffer that never reads."""
     body = json.dumps({"prompt": "x", "max_tokens": 500_000, "stream": True}).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    sock = raw_connection(server, head + b"Content-Length: %d\r\n\r\n" % len(body) + body, rcvbuf=4096)
+    return raw_connection(server, head + b"Content-Length: %d\r\n\r\n" % len(body) + body, rcvbuf=4096)
+
+
+@pytest.mark.parametrize("limit", ["backlog", "send timeout"])
+def test_a_client_that_never_reads_its_stream_is_cancelled(serve, tokenizer, limit):
+    """Either limit alone cancels the request (its slot frees); the other is set out of reach."""
+    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT))  # no EOS: it produces until max_tokens
+    if limit == "backlog":
+        limits = ServerLimits(max_stream_backlog=64, send_timeout_s=600)
+    else:
+        limits = ServerLimits(max_stream_backlog=10**9, send_timeout_s=1.0)
+    server, _ = serve(runner, limits, max_len=1_000_000)
+    sock = never_reading_stream(server)
     assert until(lambda: runner.submitted and runner.submitted[0].id in runner.cancelled)
     assert until(lambda: not runner.running)  # the slot is free
-    assert until(lambda: not server.server.server_state.tasks)  # the blocked response gave up
-    data = read_all(sock)  # what was already sent, then the end of the connection
-    assert data.startswith(b"HTTP/1.1 200") and b"[DONE]" not in data
-    assert data.count(b"data: ") < 100_000
+    if limit == "send timeout":
+        assert until(lambda: not server.server.server_state.tasks)  # the blocked response gave up
+        data = read_all(sock)  # what was already sent, then the end of the connection
+        assert data.startswith(b"HTTP/1.1 200") and data.count(b"data: ") < 100_000
+    sock.close()
 
 
 def test_a_request_needing_more_choices_than_the_queue_is_400_and_a_refused_one_releases_its_choices(serve):
