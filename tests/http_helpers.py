@@ -12,6 +12,7 @@ import jsonschema
 import uvicorn
 from helpers import require_fixtures
 
+from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.engine.engine import Token
 from hkserve.engine.runner import Event, Overloaded, RequestStream, RunnerStats
 
@@ -19,11 +20,11 @@ from hkserve.engine.runner import Event, Overloaded, RequestStream, RunnerStats
 class LiveServer:
     """uvicorn on 127.0.0.1 at a free port, in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits: ServerLimits = ServerLimits()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn_config(app, limits, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -13,7 +13,7 @@ import pytest
 from helpers import tiny_config
 
 from hkserve.engine.engine import ContextLengthError, Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.runner import InferenceRunner, Overloaded, Request
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
@@ -159,3 +159,79 @@ def test_long_prompt_is_prefilled_in_chunks(runner):
     for _ in range(6):
         seq.append(int(np.argmax(model_logprobs(seq))))
     assert ids(runner.generate(Request(prompt, 6))) == seq[len(prompt) :]
+
+
+BAD_PROMPT = [3, 1, 4, 1, 5]  # the request whose prefill fails in the tests below
+
+
+def fail_prefill_of(engine, prompt, when):
+    """Make engine.prefill raise for `prompt`: before any device work, after it (the slot holds the
+    prompt), or after consuming the donated decode state (every slot lost)."""
+    real = engine.prefill
+
+    def prefill(slot, prompt_ids, settings=None):
+        if list(prompt_ids) != prompt:
+            return real(slot, prompt_ids, settings)
+        if when == "after":
+            real(slot, prompt_ids, settings)
+        if when == "state lost":
+            for leaf in jax.tree_util.tree_leaves(engine.state):
+                leaf.delete()
+            engine.prefill = real  # prefill checks the state itself: go through it once more, for real
+            try:
+                return real(slot, prompt_ids, settings)
+            finally:
+                engine.prefill = prefill
+        raise RuntimeError("injected prefill failure")
+
+    engine.prefill = prefill
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_request_failing_at_prefill_fails_only_itself(when):
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner.start(warmup=False)
+    try:
+        expected = [ids(runner.generate(Request(p, n))) for p, n in ((PROMPT, 40), (PROMPT[2:], 12))]
+        fail_prefill_of(runner.engine, BAD_PROMPT, when)
+        running = iter(runner.submit(Request(PROMPT, 40)))
+        first = next(running)  # running: its first token is out
+        bad = runner.submit(Request(BAD_PROMPT, 12))
+        after = runner.submit(Request(PROMPT[2:], 12))  # takes the slot the bad request left
+        (failed,) = list(bad)
+        assert failed.finish_reason == "error" and "injected prefill failure" in failed.error
+        assert [first.token.id] + [e.token.id for e in running if e.token] == expected[0]
+        assert [e.token.id for e in after if e.token] == expected[1]
+    finally:
+        runner.stop()
+
+
+def test_a_prefill_that_loses_the_decode_state_fails_all_then_the_runner_recovers():
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner.start(warmup=False)
+    try:
+        expected = ids(runner.generate(Request(PROMPT, 12)))
+        fail_prefill_of(runner.engine, BAD_PROMPT, "state lost")
+        running = iter(runner.submit(Request(PROMPT, 40)))
+        next(running)
+        bad = runner.submit(Request(BAD_PROMPT, 12))
+        assert list(bad)[-1].finish_reason == "error"
+        assert [e.finish_reason for e in running][-1] == "error"  # its state was lost with the others'
+        assert ids(runner.generate(Request(PROMPT, 12))) == expected
+    finally:
+        runner.stop()
+
+
+def test_cancelling_a_waiting_request_frees_its_queue_place_at_once():
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=1, max_len=64, prefill_buckets=(8,)), max_queue=2)
+    first, second = runner.submit(Request(PROMPT, 4)), runner.submit(Request(PROMPT, 4))  # not started
+    runner.cancel(second.request.id)
+    assert list(second)[-1].finish_reason == "cancelled"
+    third = runner.submit(Request(PROMPT, 4))  # no Overloaded: the cancelled one no longer counts
+    with pytest.raises(Overloaded):  # first and third fill the queue of 2
+        runner.submit(Request(PROMPT, 4))
+    runner.start(warmup=False)
+    try:
+        assert list(first)[-1].finish_reason == "length" and list(third)[-1].finish_reason == "length"
+    finally:
+        runner.stop()

@@ -2,18 +2,20 @@
 ready interface — tests pass a fake one).
 
 Every error leaves as OpenAI's error body with the right status; a client that disconnects has its
-requests cancelled, so its slots free within one decode step.
+requests cancelled, so its slots free within one decode step. CPU work on a request (parsing the body,
+rendering the chat template, tokenizing) runs on a few worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
-import logging
 import os
 import time
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -22,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hkserve.api import formats
 from hkserve.api.generation import Generation, Update
+from hkserve.api.guard import GuardMiddleware
+from hkserve.api.limits import ServerLimits
 from hkserve.api.metrics import Metrics
 from hkserve.api.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -32,6 +36,7 @@ from hkserve.api.protocol import (
     SamplingFields,
     TokenizeRequest,
     domain_error,
+    parse_body,
     validation_error,
 )
 from hkserve.checkpoint.tokenizer import Tokenizer
@@ -39,23 +44,9 @@ from hkserve.engine.engine import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 OPEN_PATHS = {"/health", "/metrics"}
-log = logging.getLogger("hkserve.api")
-
-
-class GuardMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the routes)."""
-
-    def __init__(self, app, check):
-        self.app, self.check = app, check
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            try:
-                self.check(scope)
-            except APIError as e:
-                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+# A prompt of more than (context x longest token x this) characters cannot fit, whatever the tokenizer's
+# normalizer merges: refused before tokenizing.
+CHARS_PER_TOKEN_MARGIN = 4
 
 
 def _key_matches(authorization: str, api_key: str) -> bool:
@@ -72,7 +63,7 @@ def create_app(
     *,
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
-    max_body_bytes: int = 4 << 20,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
@@ -96,14 +87,8 @@ def create_app(
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_, exc: Exception):
-        log.exception("unhandled error")
-        body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
-        return JSONResponse(body, status_code=500)
-
     def _guard(scope) -> None:
-        """API key, body size and readiness, before any route runs."""
+        """API key and readiness, before any route runs."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope["path"]
         if (
@@ -118,12 +103,10 @@ def create_app(
                 "authentication_error",
                 code="invalid_api_key",
             )
-        if int(headers.get("content-length") or 0) > max_body_bytes:
-            raise APIError(413, f"request body larger than {max_body_bytes} bytes")
         if path.startswith("/v1/") and path != "/v1/models":
             _check_ready()
 
-    app.add_middleware(GuardMiddleware, check=_guard)
+    app.add_middleware(GuardMiddleware, check=_guard, limits=limits)
     if cors_origins:  # added last = outermost, so errors from the guard carry CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
 
@@ -145,19 +128,35 @@ def create_app(
                 "model_not_found",
             )
 
+    cpu = anyio.CapacityLimiter(limits.cpu_threads)
+
+    async def _off_loop(fn, *args):
+        """fn(*args) on one of the CPU threads: the event loop keeps serving meanwhile."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=cpu)
+
     async def _parse(request: Request, model_cls):
+        return await _off_loop(parse_body, await request.body(), model_cls)
+
+    max_prompt_chars = max_len * _longest_token(tokenizer) * CHARS_PER_TOKEN_MARGIN
+
+    def _encode(text: str, param: str, add_bos: bool | None = None) -> list[int]:
+        """Tokenize a prompt (on a CPU thread), after refusing one too long to fit at any tokenization."""
+        if len(text) > max_prompt_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_len} tokens; a prompt of {len(text)} characters"
+                " is longer than that however it is tokenized",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return tokenizer.encode(text, add_bos=add_bos)
+
+    def _encode_chat(messages: list[dict]) -> list[int]:
         try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            return model_cls.model_validate(data)
-        except Exception as e:  # pydantic.ValidationError
-            if hasattr(e, "errors"):
-                raise validation_error(e) from None
-            raise
+            text = tokenizer.render_chat(messages)
+        except ValueError as e:  # the template refused these messages
+            raise APIError(400, str(e), param="messages") from None
+        return _encode(text, "messages", add_bos=False)  # the template writes any BOS itself
 
     # -- plain routes -----------------------------------------------------------------------------
     @app.get("/health")
@@ -190,9 +189,11 @@ def create_app(
         body = await _parse(request, TokenizeRequest)
         _check_model(body.model)
         if body.messages is not None:
-            ids = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await _off_loop(_encode_chat, messages)
         else:
-            ids = tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+            add_bos = None if body.add_special_tokens else False
+            ids = await _off_loop(functools.partial(tokenizer.encode, body.prompt, add_bos=add_bos))
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
 
     @app.post("/detokenize")
@@ -205,12 +206,28 @@ def create_app(
         return {"prompt": tokenizer.decode(body.tokens)}
 
     # -- generation -------------------------------------------------------------------------------
-    def _prompt_ids(prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
-        return list(prompt)
+    def _prompt_ids(prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt: text tokenized (on a CPU thread), ids checked against the vocabulary."""
+        out = []
+        for prompt in prompts:
+            ids = _encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+            out.append(ids)
+        return out
 
-    def _limits(prompts: list[list[int]], requested: int | None, default: int | None) -> list[int]:
+    def _check_choices(prompts: int, n: int) -> None:
+        """A request needing more choices than the queue holds could never be admitted: no retry helps."""
+        if prompts * n > runner.max_queue:
+            raise APIError(
+                400,
+                f"the request needs {prompts * n} choices ({prompts} prompts x n={n}); this server queues at"
+                f" most {runner.max_queue} at once",
+                param="n",
+            )
+
+    def _token_limits(prompts: list[list[int]], requested: int | None, default: int | None) -> list[int]:
         """Tokens to generate per prompt: as requested, else `default` shortened to what fits (None: to
         the end of the context)."""
         out = []
@@ -229,9 +246,11 @@ def create_app(
     def _sampling(body: SamplingFields) -> SamplingParams:
         """The body's sampling settings; a request without a seed gets a random one."""
         try:
-            return body.sampling(int.from_bytes(os.urandom(4), "little"))
+            sampling = body.sampling(int.from_bytes(os.urandom(4), "little"))
+            sampling.check_vocab(tokenizer.vocab_size)
         except InvalidSampling as e:
             raise domain_error(e) from e
+        return sampling
 
     async def _run(request: Request, gen: Generation, stream: bool, render_chunk, render_final):
         if stream:
@@ -280,11 +299,12 @@ def create_app(
         body = await _parse(request, CompletionRequest)
         sampling = _sampling(body)
         _check_model(body.model)
-        prompts = [_prompt_ids(p) for p in body.prompts()]
-        limits = _limits(prompts, body.max_tokens, COMPLETION_MAX_TOKENS)
-        gen = Generation(runner, tokenizer, metrics, "completion")
+        _check_choices(len(body.prompts()), body.n)
+        prompts = await _off_loop(_prompt_ids, body.prompts())
+        max_tokens = _token_limits(prompts, body.max_tokens, COMPLETION_MAX_TOKENS)
+        gen = Generation(runner, tokenizer, metrics, "completion", limits.max_stream_backlog)
         logprobs = body.logprobs or 0
-        gen.submit(prompts, body.n, limits, sampling, body.stop, logprobs, body.ignore_eos, body.prompt_scoring())
+        gen.submit(prompts, body.n, max_tokens, sampling, body.stop, logprobs, body.ignore_eos, body.prompt_scoring())
         echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
         fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
@@ -294,15 +314,18 @@ def create_app(
         body = await _parse(request, ChatRequest)
         sampling = _sampling(body)
         _check_model(body.model)
-        try:
-            prompt = tokenizer.encode_chat(body.template_messages())
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        limits = _limits([prompt], body.token_limit, None)
-        gen = Generation(runner, tokenizer, metrics, "chat")
+        _check_choices(1, body.n)
+        prompt = await _off_loop(_encode_chat, body.template_messages())
+        max_tokens = _token_limits([prompt], body.token_limit, None)
+        gen = Generation(runner, tokenizer, metrics, "chat", limits.max_stream_backlog)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        gen.submit([prompt], body.n, limits, sampling, body.stop, top, body.ignore_eos)
+        gen.submit([prompt], body.n, max_tokens, sampling, body.stop, top, body.ignore_eos)
         fmt = formats.ChatFormat(tokenizer, model_name, body)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
 
     return app
+
+
+def _longest_token(tokenizer: Tokenizer) -> int:
+    """Characters in the longest token: no tokenization of a text has fewer tokens than its length / this."""
+    return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))

@@ -4,19 +4,21 @@ stop strings, usage): submit them, merge their updates, and count them in the me
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from hkserve.api.metrics import Metrics
-from hkserve.api.protocol import domain_error
+from hkserve.api.protocol import APIError, domain_error
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.completion import Completion, GenerationFailed, usage
 from hkserve.engine.engine import ScoredToken, Token
 from hkserve.engine.runner import Event, Overloaded, Request
 from hkserve.model.sampling import SamplingParams
 
+log = logging.getLogger("hkserve.api")
 OPENAI_FINISH = {"stop": "stop", "length": "length"}  # OpenAI has no "cancelled": a stopped server ends with "stop"
 
 
@@ -42,10 +44,15 @@ class Update:
 
 class Generation:
     """Submits the choices of one HTTP request and yields their updates as the runner produces them,
-    adding what only HTTP needs: metrics, OpenAI's finish reasons, domain errors as APIError."""
+    adding what only HTTP needs: metrics, OpenAI's finish reasons, domain errors as APIError.
 
-    def __init__(self, runner, tokenizer: Tokenizer, metrics: Metrics, kind: str):
+    A consumer that falls more than `max_backlog` updates behind (a client not reading its stream) has
+    its choices cancelled, so their slots free and the updates held for it stop growing."""
+
+    def __init__(self, runner, tokenizer: Tokenizer, metrics: Metrics, kind: str, max_backlog: int = 1024):
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
+        self.max_backlog = max_backlog
+        self.fell_behind = False
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = time.monotonic()
@@ -92,13 +99,18 @@ class Generation:
 
         async def pump(choice: Choice):
             async for event in choice.completion.stream:
-                await merged.put((choice, event))
+                merged.put_nowait((choice, event))
+                if merged.qsize() > self.max_backlog and not self.fell_behind:
+                    self.fell_behind = True
+                    self.cancel()
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
         try:
             remaining = len(self.choices)
             while remaining:
                 choice, event = await merged.get()
+                if self.fell_behind:
+                    raise APIError(429, f"the client fell more than {self.max_backlog} updates behind its stream")
                 update = self._apply(choice, event)
                 if update is not None:
                     yield update
@@ -112,8 +124,11 @@ class Generation:
     def _apply(self, choice: Choice, event: Event) -> Update | None:
         try:
             delta = choice.completion.feed(event)
-        except GenerationFailed as e:
-            raise domain_error(e) from e
+        except GenerationFailed as e:  # the details are the server's: logged, not sent
+            log.error("generation %s failed: %s", self.id, e)
+            raise APIError(
+                500, f"the generation failed (id {self.id}); the details are in the server log", "server_error"
+            ) from e
         if delta is None:
             return None
         if delta.token is not None:

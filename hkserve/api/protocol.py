@@ -6,17 +6,19 @@ the client gets back (tools, structured output): those are refused rather than s
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from hkserve.engine.completion import GenerationFailed
 from hkserve.engine.engine import ContextLengthError
 from hkserve.engine.runner import Overloaded
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 MAX_N = 16
+MAX_DEPTH = 32  # JSON nesting a request body may have (OpenAI's requests need a handful of levels)
+TokenId = Annotated[int, Strict()]  # not a bool: true and false are not token ids
 MAX_STOP = 16
 OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # OpenAI's default temperature; the engine's is greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions (chat has none: to the context)
@@ -99,7 +101,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: no tokens, the prompt alone (echoed or scored)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -190,7 +192,64 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
+    """A request body as `model_cls`, or the 400 that says why not: not JSON (NaN and Infinity are
+    not JSON numbers; an integer of more than 4,300 digits is refused by Python), nested deeper than
+    MAX_DEPTH, a string with a lone surrogate (not Unicode text: no tokenizer or response can take
+    it), not an object, or not the request."""
+    try:
+        data = json.loads(raw, parse_constant=_not_a_number)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested more than {MAX_DEPTH} levels deep") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e.msg} at position {e.pos})") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    except ValueError:  # int() refused a literal of more than 4,300 digits
+        raise APIError(400, "the request body holds a number too long to read") from None
+    _check_values(data)
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _not_a_number(literal: str):
+    raise APIError(400, f"the request body is not valid JSON ({literal} is not a JSON number)")
+
+
+def _check_values(data) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and strings (values or keys) that are not Unicode text."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node)
+            continue
+        if not isinstance(node, (list, dict)):
+            continue
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(node, dict):
+            for key in node:
+                _check_text(key)
+            node = node.values()
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (str, list, dict)))
+
+
+def _check_text(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400, f"the request body holds a lone surrogate ({text[e.start]!r}), which is not text"
+            ) from None
 
 
 def validation_error(exc) -> APIError:
@@ -199,18 +258,18 @@ def validation_error(exc) -> APIError:
     first = errors[0] if errors else {"msg": str(exc), "loc": ()}
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None)
+    # param: the request's field (a union's member names and list indexes follow it in the message)
+    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=loc[0] if loc else None)
 
 
-def domain_error(exc: Overloaded | ValueError | GenerationFailed) -> APIError:
+def domain_error(exc: Overloaded | ValueError) -> APIError:
     """An exception of the layers below as the OpenAI error a client gets: bad requests are 400 (a
-    context overflow with OpenAI's code), a full queue is 429, a failed generation is 500."""
+    context overflow with OpenAI's code), a full queue is 429. (A failed generation is a 500 whose
+    details stay in the server log: Generation makes it.)"""
     if isinstance(exc, Overloaded):
         return APIError(429, f"the server is overloaded: {exc}", "rate_limit_exceeded", headers={"Retry-After": "1"})
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, InvalidSampling):
         return APIError(400, str(exc), param=exc.param)
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
-    return APIError(500, f"generation failed: {exc}", "server_error")
+    return APIError(400, str(exc))

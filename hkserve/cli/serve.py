@@ -23,6 +23,7 @@ import types
 import uvicorn
 
 from hkserve.api.app import create_app
+from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import load_engine
 from hkserve.engine.runner import InferenceRunner
@@ -59,6 +60,28 @@ class DrainingServer(uvicorn.Server):
                 break
             time.sleep(0.05)
         super().handle_exit(sig, frame)
+
+
+LIMIT_FLAGS = {  # flag: (ServerLimits field, help)
+    "--max-body-bytes": ("max_body_bytes", "largest request body, as received (chunked or not): beyond, 413"),
+    "--body-timeout": ("body_timeout_s", "seconds to receive a whole request body: beyond, 408"),
+    "--header-timeout": ("header_timeout_s", "seconds for a request's head to arrive: beyond, the connection closes"),
+    "--send-timeout": ("send_timeout_s", "seconds a response write waits for a client not reading: then closed"),
+    "--keep-alive": ("keep_alive_s", "seconds an idle keep-alive connection stays open"),
+    "--max-connections": ("max_connections", "connections open at once: beyond, 503"),
+    "--max-stream-backlog": ("max_stream_backlog", "stream updates held for a slow client before it is cancelled"),
+    "--cpu-threads": ("cpu_threads", "threads for parsing, chat templates and tokenizing"),
+}
+
+
+def add_limit_arguments(group) -> None:
+    defaults = ServerLimits()
+    for flag, (name, help_) in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        metavar = "SECONDS" if isinstance(default, float) else "N"
+        group.add_argument(
+            flag, dest=name, type=type(default), default=default, metavar=metavar, help=f"{help_} (default {default})"
+        )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -103,6 +126,7 @@ def run_server(args) -> int:
     if hosts:
         engine = _lead(engine, hosts, serving)
     runner = InferenceRunner(engine, max_queue=args.max_queue)
+    limits = ServerLimits(**{name: getattr(args, name) for name, _ in LIMIT_FLAGS.values()})
     max_len = engine.max_len
     app = create_app(
         runner,
@@ -111,6 +135,7 @@ def run_server(args) -> int:
         max_len,
         api_key=api_key,
         cors_origins=tuple(args.cors_origin or ()),
+        limits=limits,
     )
     serving.app, serving.runner = app, runner
 
@@ -120,8 +145,8 @@ def run_server(args) -> int:
         log.info("ready: %s on %d slots, context %d", args.model, runner.engine.slots, max_len)
 
     threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60, lifespan="off"
+    config = uvicorn_config(
+        app, limits, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60, lifespan="off"
     )
     server = DrainingServer(config, app, runner)
     # uvicorn drains on SIGTERM, then re-raises it through the previous handler: make that handler a

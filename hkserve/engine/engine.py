@@ -58,6 +58,11 @@ def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
         raise ContextLengthError(max_len, prompt_tokens, max_tokens)
 
 
+class DecodeStateLost(RuntimeError):
+    """A device call failed after its inputs were donated: the decode state of every slot is gone, so
+    every running request is lost and the engine must be reset."""
+
+
 class DecodeState(NamedTuple):
     memory: KVMemory | VQMemory  # by config.memory
     tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
@@ -238,7 +243,9 @@ class Engine:
     def prefill(self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
         (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
-        prompt to the largest, so they need one program per window, not one per bucket and window."""
+        prompt to the largest, so they need one program per window, not one per bucket and window.
+        A prompt or settings the slot cannot take raise before any device work; a failure after it
+        leaves the other slots as they were, or raises DecodeStateLost when it cannot."""
         return self._prefill(slot, prompt_ids, settings, None)
 
     def score_prefill(
@@ -256,18 +263,26 @@ class Engine:
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
         chunk = self.prefill_buckets[-1]
-        for start in range(0, len(prompt_ids), chunk):
-            piece = list(prompt_ids[start : start + chunk])
-            if start == 0:
-                bucket, attend_len = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))], 0
-            else:
-                bucket, attend_len = chunk, self._window(start)
-            if scores is None:
-                out = self._prefill_chunk(slot, piece, attend_len, bucket, row)
-            else:
-                following = list(prompt_ids[start + 1 : start + 1 + len(piece)])
-                out, scored = self._prefill_chunk(slot, piece, attend_len, bucket, row, following)
-                scores.append((scored, len(piece)))
+        try:
+            for start in range(0, len(prompt_ids), chunk):
+                piece = list(prompt_ids[start : start + chunk])
+                if start == 0:
+                    bucket, attend_len = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))], 0
+                else:
+                    bucket, attend_len = chunk, self._window(start)
+                if scores is None:
+                    out = self._prefill_chunk(slot, piece, attend_len, bucket, row)
+                else:
+                    following = list(prompt_ids[start + 1 : start + 1 + len(piece)])
+                    out, scored = self._prefill_chunk(slot, piece, attend_len, bucket, row, following)
+                    scores.append((scored, len(piece)))
+        except Exception as e:
+            # Failed after some device work: the slot may hold part of the prompt, which is harmless (it
+            # stays free, and a prefill into a slot always starts it afresh) unless the failing call had
+            # already consumed the donated state of every slot.
+            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
+                raise DecodeStateLost(f"prefill failed after donating the decode state: {e!r}") from e
+            raise
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
 

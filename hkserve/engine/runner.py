@@ -3,10 +3,11 @@
 Concurrency — who owns what:
   * Any thread (HTTP handlers, the CLI, tests) calls `submit`, `cancel`, `abort` and `stats`.
     `submit` validates and appends the request to the admission queue `_waiting` (bounded, full →
-    `Overloaded`); `cancel` records the id in `_cancelled`; `abort` records its error and stops the
-    loop. These three only touch `_waiting`, `_open`, `_cancelled` and the abort error under `_lock`,
-    then wake the loop. `stats` reads `_stats`, an immutable snapshot the loop publishes after each
-    iteration.
+    `Overloaded`); `cancel` ends a request still in `_waiting` at once (it holds no slot, so its
+    queue place is free for the next submit) and otherwise records the id in `_cancelled`; `abort`
+    records its error and stops the loop. These three only touch `_waiting`, `_open`, `_cancelled`
+    and the abort error under `_lock`, then wake the loop. `stats` reads `_stats`, an immutable
+    snapshot the loop publishes after each iteration.
   * One background thread, the loop, owns the Engine (all device work), the slot table `_slots`, the
     in-flight device results and every request's progress; it alone takes requests off `_waiting` and
     ends requests: finished, cancelled, or failed when the runner is aborted or stopped.
@@ -36,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hkserve.engine.engine import ContextLengthError, Engine, PendingScores, PendingTokens, ScoredToken, Token
+from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -212,10 +213,19 @@ class InferenceRunner:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        """End a request at the next loop iteration and free its slot (no-op for finished requests)."""
+        """End a request: a waiting one leaves the queue now (its place is free for the next submit), a
+        running one frees its slot at the next step. A no-op for finished requests."""
         with self._wake:
-            self._cancelled.add(request_id)
-            self._wake.notify()
+            waiting = next((s for s in self._waiting if s.request.id == request_id), None)
+            if waiting is not None:
+                self._waiting.remove(waiting)
+                self._open.discard(waiting)
+                waiting.done = True
+            else:
+                self._cancelled.add(request_id)
+                self._wake.notify()
+        if waiting is not None:
+            waiting.push(Event(request_id, None, "cancelled"))
 
     def stats(self) -> RunnerStats:
         """The loop's snapshot as of its last iteration (a request queued since is not counted yet)."""
@@ -322,8 +332,12 @@ class InferenceRunner:
                     pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
                 else:
                     pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
-            except (ValueError, ContextLengthError) as e:
-                self._finish(None, stream, "error", str(e))
+            except Exception as e:  # this request only: its slot stays free, the others go on
+                if not isinstance(e, ValueError):
+                    log.exception("prefill of request %s failed", request.id)
+                self._finish(None, stream, "error", f"the request could not be started: {e}")
+                if isinstance(e, DecodeStateLost):
+                    raise  # every slot's state went with it: the loop fails the others and resets
                 continue
             if request.max_tokens:
                 self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))

@@ -8,6 +8,7 @@ draws the same tokens alone or among others.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
@@ -118,15 +119,19 @@ class SamplingParams:
             )
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # ASCII digits only ("²".isdigit() is true), and short enough for int()
+
+
 def _logit_bias(bias: Any) -> dict[int, float]:
     if not isinstance(bias, Mapping):
         raise InvalidSampling("logit_bias", f"logit_bias must map token ids to biases, got {bias!r}")
     out = {}
     for key, value in bias.items():
-        if isinstance(key, str) and key.lstrip("-").isdigit():
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int):
-            raise InvalidSampling("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            shown = key if not isinstance(key, str) or len(key) <= 24 else key[:24] + "..."
+            raise InvalidSampling("logit_bias", f"logit_bias keys must be token ids, got {shown!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise InvalidSampling("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}")
         out[key] = float(value)
