@@ -80,7 +80,7 @@ def serving(model: str, slots: int, max_queue: int, ready_within: float = 900):
 
 
 def _one_request(url: str, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
-    import httpx
+    import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
 
     body = {
         "model": model,
