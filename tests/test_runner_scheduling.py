@@ -137,6 +137,7 @@ def test_abort_from_another_thread_is_carried_out_by_the_loop():
     for stream in (running, queued):
         (last,) = events(stream)
         assert (last.finish_reason, last.error) == ("error", "lost host 1 of 2 (gone)")
+        assert last.error_public  # the server's state, for the client to see (HTTP keeps internals out)
     assert runner.stats() == RunnerStats(1, 0, 0)
 
 
@@ -167,7 +168,7 @@ def test_abort_ends_the_requests_itself_when_the_loop_is_stuck_in_a_device_call(
         runner.abort("lost host 1")
         for stream in (running, queued):
             last = final_event(stream)
-            assert (last.finish_reason, last.error) == ("error", "lost host 1")
+            assert (last.finish_reason, last.error, last.error_public) == ("error", "lost host 1", True)
     finally:
         engine.gate.set()
         runner.stop()

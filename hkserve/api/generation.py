@@ -124,11 +124,10 @@ class Generation:
     def _apply(self, choice: Choice, event: Event) -> Update | None:
         try:
             delta = choice.completion.feed(event)
-        except GenerationFailed as e:  # the details are the server's: logged, not sent
+        except GenerationFailed as e:  # internal details are logged, not sent; the server's state is
             log.error("generation %s failed: %s", self.id, e)
-            raise APIError(
-                500, f"the generation failed (id {self.id}); the details are in the server log", "server_error"
-            ) from e
+            detail = str(e) if e.public else "the details are in the server log"
+            raise APIError(500, f"the generation failed (id {self.id}): {detail}", "server_error") from e
         if delta is None:
             return None
         if delta.token is not None:

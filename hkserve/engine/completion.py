@@ -17,7 +17,12 @@ from hkserve.engine.textstream import TextStream
 
 
 class GenerationFailed(RuntimeError):
-    """The runner ended the request with an error (a device failure, a lost host)."""
+    """The runner ended the request with an error (a device failure, a lost host). `public`: the
+    message describes the server's state (a lost host) rather than an internal failure."""
+
+    def __init__(self, message: str, public: bool = False):
+        super().__init__(message)
+        self.public = public
 
 
 class Delta(NamedTuple):
@@ -74,7 +79,7 @@ class Completion:
     def feed(self, event: Event) -> Delta | None:
         """Apply one event; None when it changes nothing the client sees. Raises GenerationFailed."""
         if event.error:
-            raise GenerationFailed(event.error)
+            raise GenerationFailed(event.error, public=event.error_public)
         if self.finish_reason is not None:
             return None
         if event.prompt is not None:

@@ -68,6 +68,7 @@ class Event(NamedTuple):
     finish_reason: str | None = None
     error: str | None = None
     prompt: list[ScoredToken] | None = None  # prompt tokens 1.. (the first cannot be scored)
+    error_public: bool = False  # the error is the server's state (an abort: a lost host), for clients to see
 
 
 class RequestStream:
@@ -295,7 +296,8 @@ class InferenceRunner:
                 return
             stream.done = True
             self._open.discard(stream)
-        stream.push(Event(stream.request.id, None, reason, error))
+        public = error is not None and error == self._abort_error  # internal failures stay in the log
+        stream.push(Event(stream.request.id, None, reason, error, error_public=public))
 
     def _sweep_cancelled(self) -> None:
         """End cancelled requests: running ones free their slot, waiting ones leave the queue."""
