@@ -237,8 +237,9 @@ def sample(
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(settings.seed, positions)
         u = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]
         cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)  # [B, V]
+        # The count is at most V - 1: the last entry is the total itself, never below u * total (u <= 1).
         sampled = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-        return jnp.where(sampling, jnp.minimum(sampled, scaled.shape[-1] - 1), greedy)
+        return jnp.where(sampling, sampled, greedy)
 
     token = jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
     chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
