@@ -28,8 +28,9 @@ class LiveServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started and time.time() < deadline:
+        # uvicorn offers no start event: poll its flag, until it is up or its thread has ended (a failed
+        # start); no deadline that a loaded machine could miss (pytest-timeout bounds a hang).
+        while not self.server.started and self.thread.is_alive():
             time.sleep(0.02)
         assert self.server.started, "uvicorn did not start"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,17 +44,29 @@ class FakeRunner:
     """Runner stand-in whose "model" replays a fixed script of token ids, one every `delay` seconds.
 
     It honours max_tokens, stop ids (the script ends with EOS), cancel and a bounded queue, and
-    records what happened, so HTTP behaviour can be checked without a model."""
+    records what happened, so HTTP behaviour can be checked without a model. With held=True no token
+    comes until the test sets `go`; `wait_until` waits for a change of its state, without polling."""
 
-    def __init__(self, script: list[int], delay: float = 0.0, max_queue: int = 100, ready: bool = True):
+    def __init__(
+        self, script: list[int], delay: float = 0.0, max_queue: int = 100, ready: bool = True, held: bool = False
+    ):
         self.script, self.delay, self.max_queue = script, delay, max_queue
         self.ready = threading.Event()
         if ready:
             self.ready.set()
+        self.go = threading.Event()
+        if not held:
+            self.go.set()
         self.cancelled: set[str] = set()
         self.running: dict[str, RequestStream] = {}
         self.submitted: list = []
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified on each submit, cancel and finish
+
+    def wait_until(self, condition, timeout: float = 120.0) -> bool:
+        """Whether `condition` (read under the lock) came to hold; the timeout only bounds a hang."""
+        with self.changed:
+            return self.changed.wait_for(condition, timeout)
 
     def submit(self, request, loop=None) -> RequestStream:
         with self.lock:
@@ -62,6 +75,7 @@ class FakeRunner:
             stream = RequestStream(request, loop)
             self.running[request.id] = stream
             self.submitted.append(request)
+            self.changed.notify_all()
         threading.Thread(target=self._produce, args=(stream,), daemon=True).start()
         return stream
 
@@ -70,6 +84,7 @@ class FakeRunner:
         stream.admitted_at = time.monotonic()
         reason = "length"
         for i in range(request.max_tokens):
+            self.go.wait()
             time.sleep(self.delay)
             if request.id in self.cancelled:
                 reason = "cancelled"
@@ -82,11 +97,14 @@ class FakeRunner:
                 break
         stream.done = True
         stream.push(Event(request.id, None, reason))
-        with self.lock:
+        with self.changed:
             self.running.pop(request.id, None)
+            self.changed.notify_all()
 
     def cancel(self, request_id: str) -> None:
-        self.cancelled.add(request_id)
+        with self.changed:
+            self.cancelled.add(request_id)
+            self.changed.notify_all()
 
     def stats(self) -> RunnerStats:
         return RunnerStats(4, len(self.running), 0)

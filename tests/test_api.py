@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from http_helpers import FakeRunner, LiveServer, sse_events, validate
@@ -184,11 +182,12 @@ def test_invalid_json_tools_and_unknown_fields(serve):
 
 
 def test_full_queue_is_429_with_retry_after(serve, tokenizer):
-    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT), delay=0.2, max_queue=1)
+    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT), max_queue=1, held=True)  # the first stays running
     server, _ = serve(runner)
     with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True}):
-        time.sleep(0.1)
+        assert runner.wait_until(lambda: len(runner.running) == 1)
         r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        runner.go.set()
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     validate(r.json(), "ErrorResponse")
 
@@ -231,10 +230,8 @@ def test_client_disconnect_cancels_the_request(serve, tokenizer, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
-    deadline = time.time() + 5
-    while runner.running and time.time() < deadline:
-        time.sleep(0.02)
-    assert not runner.running and len(runner.cancelled) == 1
+    assert runner.wait_until(lambda: not runner.running)
+    assert len(runner.cancelled) == 1
 
 
 def test_tokenize_and_detokenize_round_trip(serve, tokenizer):

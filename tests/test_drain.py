@@ -39,9 +39,7 @@ def test_draining_answers_503_until_idle_then_stops(smollm2):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
-        for _ in range(200):
-            if server.started:
-                break
+        while not server.started and thread.is_alive():  # uvicorn has no start event; a failed start ends it
             thread.join(0.05)
         assert httpx.get(url + "/health").status_code == 200
 
@@ -54,7 +52,7 @@ def test_draining_answers_503_until_idle_then_stops(smollm2):
         assert thread.is_alive()
 
         runner.idle.set()  # the last running request finished
-        thread.join(30)
+        thread.join(120)  # bounds a hang only
         assert not thread.is_alive()
     finally:
         server.should_exit = True

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from helpers import REPO, hkserve
@@ -91,14 +90,19 @@ def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(t
 
     out = tmp_path / "killed.jsonl"
     args, env = _sample_cmd(inp, out, tiny_home)
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 8):
-        time.sleep(0.01)
+    # tests/sample_gated.py holds the writer after 8 lines: the kill lands there, however fast the run.
+    gated = [sys.executable, str(REPO / "tests" / "sample_gated.py"), "8", *args[3:]]
+    proc = subprocess.Popen(gated, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line == "held\n":
+            break
+    else:
+        raise AssertionError(f"sample ended (exit {proc.wait()}) before holding after 8 lines")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stdout.close()
     partial = out.read_text().splitlines()
-    assert 8 <= len(partial) < 40, len(partial)
+    assert len(partial) == 8, len(partial)
     with open(out, "a") as f:
         f.write('{"id": 999, "text": "torn')  # what a kill in the middle of a write would leave
     subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)

@@ -71,10 +71,8 @@ def test_generate_cli_prints_reference_text(smollm2_home, golden, index):
 def test_second_pull_is_a_no_op(smollm2_home):
     params_dir = smollm2_home / "models" / "smollm2-135m-instruct" / "params"
     before = params_dir.stat().st_mtime_ns
-    started = time.perf_counter()
     result = hkserve("pull", home=smollm2_home)
-    assert time.perf_counter() - started < 30
-    assert "already in the store" in result.stderr
+    assert "already in the store" in result.stderr  # no wall-clock bound: it is no proof on a loaded machine
     assert params_dir.stat().st_mtime_ns == before
 
 
@@ -123,12 +121,10 @@ def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smol
                 assert stream in doomed
         canceller.join()
         assert sum(1 for s in streams if s.done) == 200
-        deadline = time.time() + 5
-        while runner.stats().running and time.time() < deadline:
-            time.sleep(0.01)
-        assert runner.stats() == (4, 0, 0)
         for case in golden["cases"]:  # still exact afterwards
             got = runner.generate(Request(case["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))
             assert [t.id for t in got] == case["greedy_ids"], case["name"]
     finally:
-        runner.stop()
+        runner.stop(timeout=300)
+    # The loop thread has ended, its last snapshot published: read without racing its next iteration.
+    assert runner.stats() == (4, 0, 0)
