@@ -17,8 +17,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/hkserve serve
 
+# Two pytest-xdist workers (one per core of the CI machine); a test file stays on one worker.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)

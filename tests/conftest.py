@@ -1,5 +1,5 @@
-"""pytest fixtures only (shared helpers live in helpers.py): the golden SmolLM2 outputs and a SmolLM2
-store pulled once per session."""
+"""pytest fixtures only (shared helpers live in helpers.py): the golden SmolLM2 outputs, a SmolLM2 store
+pulled once per run and one compile cache per run, both shared by the pytest-xdist workers of `make test`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,27 @@ import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from helpers import hkserve, require_fixtures
 
 from hkserve.checkpoint.store import ModelStore
+from hkserve.cli.compile_cache import enable_compile_cache
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A folder of this run shared by its xdist workers (each has its own basetemp below the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(run_dir) -> Path | None:
+    """One persistent XLA compile cache for the whole run, in this process and every `hkserve` or worker
+    subprocess (they inherit HKSERVE_COMPILE_CACHE): the same programs are compiled by many tests. Each
+    run starts with an empty one; HKSERVE_COMPILE_CACHE set outside (a path, or off) is kept."""
+    os.environ.setdefault("HKSERVE_COMPILE_CACHE", str(run_dir / "xla-cache"))
+    return enable_compile_cache()
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +37,7 @@ def golden() -> dict:
 
 
 @pytest.fixture(scope="session")
-def smollm2_home(tmp_path_factory) -> Path:
+def smollm2_home(run_dir) -> Path:
     """An HKSERVE_HOME into which `hkserve pull` fetched and converted the default model; or, where
     HKSERVE_TEST_HOME is set (machines without network: scripts/device-check.sh), that store, which must
     hold the model already."""
@@ -27,9 +45,11 @@ def smollm2_home(tmp_path_factory) -> Path:
         home = Path(os.environ["HKSERVE_TEST_HOME"])
         assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), f"no SmolLM2 in {home}"
         return home
-    home = tmp_path_factory.mktemp("hkhome")
-    result = hkserve("pull", "--quiet", home=home)
-    assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), result.stderr
+    home = run_dir / "hkhome"
+    with FileLock(run_dir / "hkhome.lock"):  # the first worker pulls, the others wait for it
+        if not (home / "models" / "smollm2-135m-instruct" / "config.json").is_file():
+            result = hkserve("pull", "--quiet", home=home)
+            assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), result.stderr
     return home
 
 

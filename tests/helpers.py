@@ -29,9 +29,11 @@ def require_fixtures() -> Path:
     return FIXTURES
 
 
-def hkserve(*args: str, home: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess with its own model store."""
-    env = {**os.environ, "HKSERVE_HOME": str(home)}
+def hkserve(
+    *args: str, home: Path, check: bool = True, timeout: float = 900, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess with its own model store (and `env` added to the environment)."""
+    env = {**os.environ, "HKSERVE_HOME": str(home), **(env or {})}
     result = subprocess.run(
         [sys.executable, "-m", "hkserve.cli.main", *args],
         cwd=REPO,

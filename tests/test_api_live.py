@@ -183,7 +183,7 @@ def test_16_concurrent_streams_and_50_random_disconnects_leave_the_server_correc
         t.start()
     for t in threads:
         t.join(300)
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # the loop frees cancelled slots within a step or two; slack for a loaded machine
     while time.time() < deadline and runner.stats().running:
         time.sleep(0.05)
     metrics = httpx.get(server.url + "/metrics").text

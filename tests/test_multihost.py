@@ -157,7 +157,7 @@ def test_8_concurrent_streams_with_cancels_all_end_correctly(hosts, golden):
             assert case["text"].startswith(results[i])
         else:
             assert results[i] == case["text"], i
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # the loop frees cancelled slots within a step or two; slack for a loaded machine
     while time.time() < deadline:
         metrics = httpx.get(hosts.url + "/metrics").text
         if "hkserve_requests_running 0.0" in metrics:

@@ -13,6 +13,7 @@ from hkserve.bench.cli import add_bench_parser
 from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
+from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.cli.generate import run_generate
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        enable_compile_cache()
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         _log(f"hkserve {args.command}: error: {e}")
