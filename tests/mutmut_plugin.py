@@ -5,7 +5,8 @@ mutmut records a call through its trampoline; a jitted function runs its Python 
 traces it, and a later test with the same shapes reuses that trace. Without this, such a later test
 would never be run against the function's mutants.
 
-Every mutant's test run shares one persistent compilation cache (mutants/.jax-cache). A mutant of
+Every mutant's test run shares one persistent compilation cache (mutants/.jax-cache, also named in
+HKSERVE_COMPILE_CACHE so that tests/conftest.py's per-run cache does not replace it). A mutant of
 host-side code (validation, settings) lowers to the same program as the original, so its run loads
 the compiled program instead of compiling it again. A mutant of device code lowers to a different
 program, and so misses the cache.
@@ -22,7 +23,9 @@ from pathlib import Path
 import jax
 import pytest
 
-jax.config.update("jax_compilation_cache_dir", str(Path(".jax-cache").resolve()))  # mutmut runs in mutants/
+# mutmut runs in mutants/. conftest's session cache keeps a HKSERVE_COMPILE_CACHE set before it: this one.
+os.environ["HKSERVE_COMPILE_CACHE"] = str(Path(".jax-cache").resolve())
+jax.config.update("jax_compilation_cache_dir", os.environ["HKSERVE_COMPILE_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
