@@ -430,6 +430,10 @@ EDGE_CASES = [
     ([1.0, 1.0 - 5e-7, -1, -1, -1, -1], (1, 1.0, 0.0), [0]),  # 4 float32 steps below the top logit
     ([1.0, 1.0 - 5e-7, -1, -1, -1, -1], (2, 1.0, 0.0), [0, 1]),
     ([1.0, 1.0 - 2**-24, -1, -1, -1, -1], (1, 1.0, 0.0), [0]),  # the next float32 below the top logit
+    # Rows with masked (-inf) tokens, as a grammar mask or a -100 bias leaves them: top-k counts only the rest.
+    ([3, 2, 1, -np.inf, 0, -1], (2, 1.0, 0.0), [0, 1]),
+    ([-np.inf, 2, -np.inf, 1, 0, -np.inf], (5, 1.0, 0.0), [1, 3, 4]),  # k above the allowed count keeps them all
+    ([-np.inf, *np.log([0.5, 0.3, 0.2]), -np.inf, -np.inf], (0, 0.7, 0.0), [1, 2]),
 ]
 
 

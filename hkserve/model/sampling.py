@@ -181,8 +181,10 @@ def adjust_logits(logits: jax.Array, settings: SampleSettings, history: TokenHis
 
 def _largest_threshold(x: jax.Array, holds, iters: int = 32) -> jax.Array:
     """Per row of x [B, V], the (nearly) largest t with holds(t) true, where holds is monotone
-    (true at the row minimum, false above the maximum). Bisection: [B, V] passes, no vocabulary sort."""
-    lo, hi = x.min(axis=-1), x.max(axis=-1) + 1e-6
+    (true at the row's smallest finite value, false above the maximum). Bisection: [B, V] passes, no
+    vocabulary sort. Masked entries (-inf: logit_bias bans, grammar masks) are outside the search, which
+    would otherwise never leave -inf."""
+    lo, hi = jnp.where(jnp.isfinite(x), x, jnp.inf).min(axis=-1), x.max(axis=-1) + 1e-6
 
     def step(_, bounds):
         lo, hi = bounds
