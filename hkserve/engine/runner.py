@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
+from hkserve.engine.row_groups import RowGroups, RowOf
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -318,36 +319,74 @@ class InferenceRunner:
     def _admit(self) -> list[_InFlight]:
         admitted = []
         free = [i for i, s in enumerate(self._slots) if s is None]
-        spent = 0
-        while free and (not admitted or spent < self.prefill_budget):
-            with self._lock:
-                if not self._waiting:
-                    break
-                stream = self._waiting.popleft()
-            slot = free.pop(0)
-            request = stream.request
-            spent += len(request.prompt_ids)
-            stream.admitted_at = time.monotonic()
-            scores = None
-            try:
-                if request.prompt_logprobs is None:
-                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
-                else:
-                    pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
-            except Exception as e:  # this request only: its slot stays free, the others go on
-                if not isinstance(e, ValueError):
-                    log.exception("prefill of request %s failed", request.id)
-                self._finish(None, stream, "error", f"the request could not be started: {e}")
-                if isinstance(e, DecodeStateLost):
-                    raise  # every slot's state went with it: the loop fails the others and resets
-                continue
-            if request.max_tokens:
-                self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
-            else:  # only the prompt's scores are wanted: the slot is free again at once
-                self._prompt_only.append(stream)
-                free.insert(0, slot)
-            admitted.append(_InFlight([(slot, stream)], pending, False, scores))
+        spent, taken = 0, 0
+        groups = RowGroups(self.engine)  # short prompts, prefilled several per call (row_groups.py)
+        try:
+            while free and (not taken or spent < self.prefill_budget):
+                with self._lock:
+                    if not self._waiting:
+                        break
+                    stream = self._waiting.popleft()
+                slot = free.pop(0)
+                request = stream.request
+                spent, taken = spent + len(request.prompt_ids), taken + 1
+                stream.admitted_at = time.monotonic()
+                if groups.takes(request):
+                    full = groups.add(slot, stream)
+                    admitted += self._prefill_rows(full) if full else []
+                    continue
+                admitted += self._prefill_one(slot, stream, free)
+            for group in groups.drain():
+                admitted += self._prefill_rows(group)
+        except DecodeStateLost:
+            for group in groups.drain():  # popped from the queue, never prefilled: fail them too
+                for _, stream in group:
+                    self._finish(None, stream, "error", "the request could not be started: the decode state was lost")
+            raise
         return admitted
+
+    def _prefill_one(self, slot: int, stream: RequestStream, free: list[int]) -> list[_InFlight]:
+        request = stream.request
+        scores = None
+        try:
+            if request.prompt_logprobs is None:
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+            else:
+                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
+        except Exception as e:  # this request only: its slot stays free, the others go on
+            self._prefill_failed([stream], e)
+            return []
+        if request.max_tokens:
+            self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
+        else:  # only the prompt's scores are wanted: the slot is free again at once
+            self._prompt_only.append(stream)
+            free.insert(0, slot)
+        return [_InFlight([(slot, stream)], pending, False, scores)]
+
+    def _prefill_rows(self, group: list[tuple[int, RequestStream]]) -> list[_InFlight]:
+        """One batched prefill of a group of short prompts (Engine.prefill_many): one flight per row."""
+        requests = [stream.request for _, stream in group]
+        try:
+            pending = self.engine.prefill_many(
+                [slot for slot, _ in group], [r.prompt_ids for r in requests], [r.sampling for r in requests]
+            )
+        except Exception as e:
+            if len(group) == 1 or isinstance(e, DecodeStateLost):  # these requests only: their slots stay free
+                self._prefill_failed([stream for _, stream in group], e)
+                return []
+            # Each alone, in the same program (same bits): only a request that fails alone fails.
+            return [flight for member in group for flight in self._prefill_rows([member])]
+        for slot, stream in group:
+            self._slots[slot] = _Slot(stream, 0, len(stream.request.prompt_ids))
+        return [_InFlight([(slot, stream)], RowOf(pending, row), False) for row, (slot, stream) in enumerate(group)]
+
+    def _prefill_failed(self, streams: list[RequestStream], e: Exception) -> None:
+        if not isinstance(e, ValueError):
+            log.exception("prefill of request(s) %s failed", ", ".join(s.request.id for s in streams))
+        for stream in streams:
+            self._finish(None, stream, "error", f"the request could not be started: {e}")
+        if isinstance(e, DecodeStateLost):
+            raise e  # every slot's state went with it: the loop fails the others and resets
 
     def _emit_prompt(self, stream: RequestStream, scored: list[ScoredToken]) -> None:
         """Deliver the request's scored prompt; a request for no tokens ends with it."""
