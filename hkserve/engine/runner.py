@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
+from hkserve.engine.handoff import mailbox_for
 from hkserve.engine.row_groups import RowGroups, RowOf
 from hkserve.model.sampling import SamplingParams
 
@@ -83,14 +84,12 @@ class RequestStream:
         self.admitted_at: float | None = None
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self._mailbox = mailbox_for(loop) if loop else None  # one loop wake-up per step (handoff.py)
         self.done = False  # set, under the runner's lock, once the final event is pushed
 
     def push(self, event: Event) -> None:
-        if self.loop is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._async.put_nowait, event)
-            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-                pass
+        if self._mailbox is not None:
+            self._mailbox.post(self._async, event)
         else:
             self._sync.put(event)
 
