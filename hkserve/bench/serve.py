@@ -39,6 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests per concurrency (default: 3 x concurrency, >= 4)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2048, help="context length (fewer programs to compile when small)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per concurrency; medians are reported")
     p.add_argument("--prefill-rows", type=int, default=4, help="the server's and runner's batched prefill rows")
     p.add_argument(
@@ -68,11 +69,12 @@ def _health(port: int) -> int | None:
 
 
 @contextlib.contextmanager
-def serving(model: str, slots: int, max_queue: int, prefill_rows: int = 4, ready_within: float = 900):
+def serving(model: str, slots: int, max_queue: int, prefill_rows: int = 4, max_len: int = 2048, ready_within=1800):
     """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
     cmd += ["--slots", str(slots), "--max-queue", str(max_queue), "--prefill-rows", str(prefill_rows)]
+    cmd += ["--max-len", str(max_len)]
     print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
@@ -171,13 +173,15 @@ def run(args) -> int:
 
     levels = [int(x) for x in args.concurrency.split(",")]
     slots, max_queue = max(args.slots, max(levels)), 4 * max(levels) + 8
-    with serving(args.model, slots, max_queue, args.prefill_rows) as (url, _):
+    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len) as (url, _):
         _phase(url, args.model, 1, 2, args.max_tokens)  # warm the HTTP path
         print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
-        runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows)}
+        runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len)}
         if args.compare_prefill_rows:
-            runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0)
+            runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0, args.max_len)
         ids = prompt_ids(args.model, PROMPTS)
+        for runner in runners.values():  # untimed: compiles what the workload uses
+            runner_phase(runner, ids, max(levels), max(levels), args.max_tokens)
         report: dict = {name: {} for name in runners}
         try:
             for c in levels:
@@ -214,6 +218,7 @@ def run(args) -> int:
         "repeats": args.repeats,
         "slots": slots,
         "prefill_rows": args.prefill_rows,
+        "max_len": args.max_len,
         "cpus": os.cpu_count(),
     }
     if args.json:

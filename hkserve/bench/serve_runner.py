@@ -22,20 +22,20 @@ from hkserve.model.build import build_model
 from hkserve.model.config import default_weights
 from hkserve.model.sampling import SamplingParams
 
-SERVE_MAX_LEN = 2048  # hkserve serve's defaults
-SERVE_N_TOP = 20
+SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
 
 
-def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int) -> InferenceRunner:
-    """A warmed-up, started runner over an engine built like `hkserve serve`'s."""
+def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int, max_len: int) -> InferenceRunner:
+    """A started runner over an engine built like `hkserve serve`'s, without its warm-up (the caller
+    runs an untimed phase of the workload instead, which compiles only the programs it uses)."""
     store = ModelStore()
     weights = default_weights(jax.default_backend(), None)
     config = store.config(model, weights)
     params = store.params(model, weights=weights)
     engine = Engine(
-        build_model(config), params, slots=slots, max_len=SERVE_MAX_LEN, n_top=SERVE_N_TOP, prefill_rows=prefill_rows
+        build_model(config), params, slots=slots, max_len=max_len, n_top=SERVE_N_TOP, prefill_rows=prefill_rows
     )
-    return InferenceRunner(engine, max_queue=max_queue).start()
+    return InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
 
 
 def prompt_ids(model: str, prompts: list[str]) -> list[list[int]]:

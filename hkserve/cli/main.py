@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-rows",
         type=int,
         default=4,
-        help="short prompts prefilled together in one call (rows of the smallest bucket; 0: one per call)",
+        help="short prompts prefilled together in one call (rows of the smallest bucket; 0 or 1: one per call)",
     )
     p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
     p.add_argument(

@@ -11,9 +11,9 @@ them, so a request's first token (and everything after) does not depend on its b
 program a request takes depends on its own prompt only (its length, whether it is scored), never on
 what else is waiting.
 
-P per bucket: `max_rows` for the smallest bucket, halving as the bucket doubles (at least 1), so
-every rows program costs about the same `max_rows × smallest bucket` tokens and a lone short prompt
-pays at most that.
+P per bucket: `max_rows` for the smallest bucket, halving as the bucket doubles, so every rows
+program costs about the same `max_rows × smallest bucket` tokens and a lone short prompt pays at
+most that; larger buckets (one row) keep the one-row prefill.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from hkserve.model.sampling import SamplingParams, TokenHistory, make_settings
 
 
 def rows_by_bucket(buckets: Sequence[int], max_rows: int) -> dict[int, int]:
-    """Rows of each bucket's program: max_rows at the smallest bucket, halving as the bucket doubles."""
-    if max_rows < 1 or not buckets:
+    """Rows of each bucket's program: max_rows at the smallest bucket, halving as the bucket doubles.
+    Buckets left with one row have no rows program: their prompts take Engine.prefill's own."""
+    if max_rows < 2 or not buckets:
         return {}
     budget = max_rows * min(buckets)
-    return {b: max(1, min(max_rows, budget // b)) for b in buckets}
+    return {b: min(max_rows, budget // b) for b in buckets if budget // b >= 2}
 
 
 class RowPrefill:

@@ -337,10 +337,8 @@ class InferenceRunner:
                 admitted += self._prefill_one(slot, stream, free)
             for group in groups.drain():
                 admitted += self._prefill_rows(group)
-        except DecodeStateLost:
-            for group in groups.drain():  # popped from the queue, never prefilled: fail them too
-                for _, stream in group:
-                    self._finish(None, stream, "error", "the request could not be started: the decode state was lost")
+        except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
+            self._prefill_failed([stream for group in groups.drain() for _, stream in group], None)
             raise
         return admitted
 
@@ -374,16 +372,24 @@ class InferenceRunner:
                 self._prefill_failed([stream for _, stream in group], e)
                 return []
             # Each alone, in the same program (same bits): only a request that fails alone fails.
-            return [flight for member in group for flight in self._prefill_rows([member])]
+            flights = []
+            for i, member in enumerate(group):
+                try:
+                    flights += self._prefill_rows([member])
+                except DecodeStateLost:
+                    self._prefill_failed([stream for _, stream in group[i + 1 :]], None)
+                    raise
+            return flights
         for slot, stream in group:
             self._slots[slot] = _Slot(stream, 0, len(stream.request.prompt_ids))
         return [_InFlight([(slot, stream)], RowOf(pending, row), False) for row, (slot, stream) in enumerate(group)]
 
-    def _prefill_failed(self, streams: list[RequestStream], e: Exception) -> None:
-        if not isinstance(e, ValueError):
+    def _prefill_failed(self, streams: list[RequestStream], e: Exception | None) -> None:
+        """End requests whose prefill failed (e None: never tried, the decode state was lost before)."""
+        if e is not None and not isinstance(e, ValueError):
             log.exception("prefill of request(s) %s failed", ", ".join(s.request.id for s in streams))
         for stream in streams:
-            self._finish(None, stream, "error", f"the request could not be started: {e}")
+            self._finish(None, stream, "error", f"the request could not be started: {e or 'the decode state was lost'}")
         if isinstance(e, DecodeStateLost):
             raise e  # every slot's state went with it: the loop fails the others and resets
 
