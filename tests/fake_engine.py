@@ -55,6 +55,7 @@ class FakeEngine:
     n_top: int = 5
     strict_fits: bool = True
     gate: threading.Event | None = None
+    prefill_rows: int = 0  # > 0: prompts of at most 8 tokens are prefilled this many per prefill_many call
     stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
@@ -78,6 +79,17 @@ class FakeEngine:
         self.last[slot] = (prompt_ids[-1] + 1) % self.vocab_size
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])
+
+    def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
+        return (8, self.prefill_rows) if self.prefill_rows and prompt_len <= 8 else None
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], settings) -> FakePending:
+        assert 1 <= len(prompts) <= self.prefill_rows and all(len(p) <= 8 for p in prompts)
+        self.calls.append(("prefill_many", list(slots), [list(p) for p in prompts]))
+        for slot, prompt in zip(slots, prompts):
+            self.last[slot] = (prompt[-1] + 1) % self.vocab_size
+            self.positions[slot] = len(prompt)
+        return FakePending([token(self.last[slot]) for slot in slots])
 
     def step(self, active: np.ndarray) -> FakePending:
         active = np.asarray(active, bool)

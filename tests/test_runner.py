@@ -165,26 +165,32 @@ BAD_PROMPT = [3, 1, 4, 1, 5]  # the request whose prefill fails in the tests bel
 
 
 def fail_prefill_of(engine, prompt, when):
-    """Make engine.prefill raise for `prompt`: before any device work, after it (the slot holds the
-    prompt), or after consuming the donated decode state (every slot lost)."""
-    real = engine.prefill
+    """Make engine.prefill and engine.prefill_many (short prompts, several per call) raise for `prompt`:
+    before any device work, after it (the slot holds the prompt), or after consuming the donated decode
+    state (every slot lost)."""
+    for name, has in (
+        ("prefill", lambda args: list(args[1]) == prompt),
+        ("prefill_many", lambda args: prompt in args[1]),
+    ):
+        real = getattr(engine, name)
 
-    def prefill(slot, prompt_ids, settings=None):
-        if list(prompt_ids) != prompt:
-            return real(slot, prompt_ids, settings)
-        if when == "after":
-            real(slot, prompt_ids, settings)
-        if when == "state lost":
-            for leaf in jax.tree_util.tree_leaves(engine.state):
-                leaf.delete()
-            engine.prefill = real  # prefill checks the state itself: go through it once more, for real
-            try:
-                return real(slot, prompt_ids, settings)
-            finally:
-                engine.prefill = prefill
-        raise RuntimeError("injected prefill failure")
+        def failing(*args, real=real, name=name, has=has):
+            if not has(args):
+                return real(*args)
+            if when == "after":
+                real(*args)
+            if when == "state lost":
+                for leaf in jax.tree_util.tree_leaves(engine.state):
+                    leaf.delete()
+                here = getattr(engine, name)
+                setattr(engine, name, real)  # it checks the state itself: go through it once more, for real
+                try:
+                    return real(*args)
+                finally:
+                    setattr(engine, name, here)
+            raise RuntimeError("injected prefill failure")
 
-    engine.prefill = prefill
+        setattr(engine, name, failing)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -237,3 +243,35 @@ def test_cancelling_a_waiting_request_frees_its_queue_place_at_once():
         assert list(first)[-1].finish_reason == "length" and list(third)[-1].finish_reason == "length"
     finally:
         runner.stop()
+
+
+def test_batched_prefill_keeps_batch_invariance():
+    """Short prompts admitted together share one rows program call; each request's tokens are those
+    it gets alone (one padded row in the same program), whatever its batch mates' prompts and settings."""
+    engine = Engine(MODEL, PARAMS, slots=5, max_len=64, prefill_buckets=(8, 16), prefill_rows=4)
+    assert (engine.rows_program(7), engine.rows_program(9), engine.rows_program(17)) == ((8, 4), (16, 2), None)
+    rows_per_call = []
+    real = engine.prefill_many
+    engine.prefill_many = lambda *a: rows_per_call.append(len(a[1])) or real(*a)
+    runner = InferenceRunner(engine)  # never started: this thread is the loop
+
+    def run(requests):
+        streams = [runner.submit(r) for r in requests]
+        while not all(s.done for s in streams):
+            runner.iterate()
+        return [[e.token.id for e in s if e.token] for s in streams]
+
+    greedy = Request(PROMPT, 12)
+    seeded = Request(PROMPT[:4], 12, SamplingParams(temperature=0.9, top_p=0.95, seed=1234))
+    alone = run([greedy]) + run([seeded])
+    assert rows_per_call == [1, 1]
+    mates = [
+        Request([9, 8, 7, 6, 5, 4], 9, SamplingParams(temperature=1.0, top_k=3, seed=7)),
+        Request(PROMPT, 12, greedy.sampling),  # the target ...
+        Request([1, 2, 3], 5, SamplingParams(repetition_penalty=1.3, logit_bias={4: 5.0})),
+        Request(PROMPT[:4], 12, seeded.sampling),  # ... and the other one
+        Request(list(range(20)), 6),  # too long for a rows program: the one-row path, same iteration
+    ]
+    together = run(mates)
+    assert rows_per_call == [1, 1, 4]
+    assert [together[1], together[3]] == alone

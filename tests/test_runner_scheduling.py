@@ -14,7 +14,7 @@ from hkserve.engine.runner import InferenceRunner, Overloaded, Request, RunnerSt
 
 
 def make(slots: int = 1, **kwargs) -> tuple[FakeEngine, InferenceRunner]:
-    engine_args = {k: kwargs.pop(k) for k in ("max_len", "strict_fits") if k in kwargs}
+    engine_args = {k: kwargs.pop(k) for k in ("max_len", "strict_fits", "prefill_rows") if k in kwargs}
     engine = FakeEngine(slots=slots, **engine_args)
     return engine, InferenceRunner(engine, **kwargs)
 
@@ -49,6 +49,20 @@ def test_prefill_budget_admits_in_order_and_at_least_one_prompt_per_iteration():
     assert prefills(engine) == [(0, [7] * 30)]
     runner.iterate()
     assert prefills(engine)[1:] == [(1, [8] * 2)]
+
+
+def test_short_prompts_admitted_together_are_prefilled_in_groups_and_each_gets_its_own_row():
+    engine, runner = make(slots=4, prefill_rows=2)  # prompts of up to 8 tokens: 2 per prefill_many call
+    prompts = [[10, 11], [20] * 9, [30], [40, 41, 42]]  # the second is too long for a group
+    streams = [runner.submit(Request(p, 2)) for p in prompts]
+    runner.iterate()
+    assert [c for c in engine.calls if c[0].startswith("prefill")] == [
+        ("prefill", 1, [20] * 9),  # at once, in queue order
+        ("prefill_many", [0, 2], [[10, 11], [30]]),  # the group is full
+        ("prefill_many", [3], [[40, 41, 42]]),  # the rest, at the end of the admission
+    ]
+    drain(runner)
+    assert [token_ids(events(s)) for s in streams] == [[p[-1] + 1, p[-1] + 2] for p in prompts]
 
 
 def test_cancelling_a_queued_request_removes_it_at_the_next_iteration():

@@ -8,6 +8,7 @@ from hkserve.bench import engine as bench_engine
 from hkserve.bench import moe as bench_moe
 from hkserve.bench import serve as bench_serve
 from hkserve.bench import soak as bench_soak
+from hkserve.bench import steady as bench_steady
 from hkserve.bench import vq as bench_vq
 from hkserve.bench.random_models import RANDOM_CONFIGS
 from hkserve.checkpoint.store import DEFAULT_MODEL
@@ -57,6 +58,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
     p.add_argument("--matmul-n", type=int, default=None, help="n of the n×n matmul (default 2048 on CPU, else 8192)")
     p.add_argument("--weights", default=None, help="also measure these stored weight variants, e.g. f32,bf16,int8")
+    p.add_argument(
+        "--background-load",
+        action="store_true",
+        help="instead: batch-1 decode quiet vs with one core busy, per --xla-threads setting (bench/steady.py)",
+    )
+    p.add_argument(
+        "--xla-threads",
+        default="pool,1",
+        help="XLA CPU intra-op threading settings for --background-load: pool (XLA's default), 1",
+    )
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
 
 
@@ -67,7 +78,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     p = kinds.add_parser("engine", help="decode tok/s of the Engine vs transformers and this machine's limits")
     add_engine_arguments(p)
-    p.set_defaults(func=bench_engine.cmd_bench_engine)
+    p.set_defaults(
+        func=lambda args: (bench_steady.cmd_background_load if args.background_load else bench_engine.cmd_bench_engine)(
+            args
+        )
+    )
 
     p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
     bench_serve.add_arguments(p)

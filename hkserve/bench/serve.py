@@ -1,5 +1,8 @@
 """`hkserve bench serve`: start the real server, drive it over HTTP with concurrent streaming clients,
-report TTFT, inter-token latency and output tokens/s per concurrency.
+report TTFT, inter-token latency and output tokens/s per concurrency; beside them, the same workload
+submitted to an in-process InferenceRunner (bench/serve_runner.py), so the HTTP layer's cost is a
+same-run ratio. Each figure is the median of --repeats runs, the sides alternating order; with
+--compare-prefill-rows, also a runner prefilling one prompt per call (batched prefill's effect).
 
 Every request generates exactly --max-tokens (`ignore_eos`), so figures compare with the engine
 benchmark's fixed-length decode.
@@ -36,6 +39,14 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests per concurrency (default: 3 x concurrency, >= 4)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2048, help="context length (fewer programs to compile when small)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side per concurrency; medians are reported")
+    p.add_argument("--prefill-rows", type=int, default=4, help="the server's and runner's batched prefill rows")
+    p.add_argument(
+        "--compare-prefill-rows",
+        action="store_true",
+        help="also measure an in-process runner with --prefill-rows 0 (one prompt per prefill call)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -58,11 +69,12 @@ def _health(port: int) -> int | None:
 
 
 @contextlib.contextmanager
-def serving(model: str, slots: int, max_queue: int, ready_within: float = 900):
+def serving(model: str, slots: int, max_queue: int, prefill_rows: int = 4, max_len: int = 2048, ready_within=1800):
     """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--slots", str(slots), "--max-queue", str(max_queue)]
+    cmd += ["--slots", str(slots), "--max-queue", str(max_queue), "--prefill-rows", str(prefill_rows)]
+    cmd += ["--max-len", str(max_len)]
     print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
@@ -126,7 +138,10 @@ def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: in
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    return summarize(results, time.perf_counter() - started)
+
+
+def summarize(results: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]] or [float("nan")]
     return {
@@ -138,20 +153,74 @@ def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: in
     }
 
 
+def _median(runs: list[dict]) -> dict:
+    """Each figure's median over the runs, with out_tok_s and ttft_p50_ms's spread (min, max)."""
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    for k in ("out_tok_s", "ttft_p50_ms"):
+        out[k + "_spread"] = [min(r[k] for r in runs), max(r[k] for r in runs)]
+    return out
+
+
+def _line(name: str, c: int, r: dict) -> str:
+    return (
+        f"{name:<16} concurrency {c:>3}: {r['out_tok_s']:8.1f} out tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms "
+        f"p99 {r['ttft_p99_ms']:7.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms"
+    )
+
+
 def run(args) -> int:
+    from hkserve.bench.serve_runner import prompt_ids, runner_phase, start_runner
+
     levels = [int(x) for x in args.concurrency.split(",")]
-    with serving(args.model, max(args.slots, max(levels)), 4 * max(levels) + 8) as (url, _):
+    slots, max_queue = max(args.slots, max(levels)), 4 * max(levels) + 8
+    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len) as (url, _):
         _phase(url, args.model, 1, 2, args.max_tokens)  # warm the HTTP path
-        report = {}
+        print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
+        runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len)}
+        if args.compare_prefill_rows:
+            runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0, args.max_len)
+        ids = prompt_ids(args.model, PROMPTS)
+        for runner in runners.values():  # untimed: compiles what the workload uses
+            runner_phase(runner, ids, max(levels), max(levels), args.max_tokens)
+        report: dict = {name: {} for name in runners}
+        try:
+            for c in levels:
+                n = args.requests or max(4, 3 * c)
+                sides: dict[str, list] = {"http": [], **{name: [] for name in runners}}
+                for repeat in range(args.repeats):
+                    for side in list(sides)[:: -1 if repeat % 2 else 1]:  # alternate the order
+                        if side == "http":
+                            sides[side].append(_phase(url, args.model, c, n, args.max_tokens))
+                        else:
+                            sides[side].append(summarize(*runner_phase(runners[side], ids, c, n, args.max_tokens)))
+                report[str(c)] = _median(sides.pop("http"))
+                print(_line("http", c, report[str(c)]), flush=True)
+                for name, runs in sides.items():
+                    report[name][str(c)] = _median(runs)
+                    print(_line(name, c, report[name][str(c)]), flush=True)
+        finally:
+            for runner in runners.values():
+                runner.stop()
+    report["ratios"] = {
+        f"http_over_runner_out_tok_s_{c}": report[str(c)]["out_tok_s"] / report["runner"][str(c)]["out_tok_s"]
+        for c in levels
+    }
+    if args.compare_prefill_rows:
         for c in levels:
-            n = args.requests or max(4, 3 * c)
-            report[str(c)] = _phase(url, args.model, c, n, args.max_tokens)
-            r = report[str(c)]
-            print(
-                f"concurrency {c:>3}: {r['out_tok_s']:8.1f} out tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms "
-                f"p99 {r['ttft_p99_ms']:7.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms",
-                flush=True,
+            before, after = report["runner_prefill_rows_0"][str(c)], report["runner"][str(c)]
+            report["ratios"][f"ttft_p50_rows_{args.prefill_rows}_over_rows_0_{c}"] = (
+                after["ttft_p50_ms"] / before["ttft_p50_ms"]
             )
+    for key, value in report["ratios"].items():
+        print(f"{key}: {value:.3f}")
+    report["settings"] = {
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "slots": slots,
+        "prefill_rows": args.prefill_rows,
+        "max_len": args.max_len,
+        "cpus": os.cpu_count(),
+    }
     if args.json:
         print(json.dumps(report))
     return 0

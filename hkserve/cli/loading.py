@@ -40,6 +40,7 @@ def load_engine(args, slots: int, hosts=None):
         max_len=args.max_len,
         mesh=mesh,
         n_top=getattr(args, "max_logprobs", 5),
+        prefill_rows=getattr(args, "prefill_rows", 4),
     )
 
 

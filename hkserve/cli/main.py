@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
+    p.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=4,
+        help="short prompts prefilled together in one call (rows of the smallest bucket; 0 or 1: one per call)",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
     p.add_argument(
         "--weights",

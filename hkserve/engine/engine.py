@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import KVMemory, init_memory, reset_slot
 from hkserve.model.model import Model
@@ -94,6 +95,7 @@ class Engine:
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         n_top: int = 5,
         mesh: Mesh | None = None,
+        prefill_rows: int = 4,
     ):
         config = model.config
         if config.vocab_size >= 2**24:
@@ -115,6 +117,7 @@ class Engine:
         self.state_shardings = self._state_shardings()
         self.reset()
         self._compiled: dict = {}
+        self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
 
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""
@@ -286,6 +289,20 @@ class Engine:
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
 
+    def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
+        """(bucket, rows) of the batched prefill program that takes a prompt of this length, or None."""
+        return self.row_prefill.program_for(prompt_len)
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], settings) -> PendingTokens:
+        """Prompts that fit one bucket, each into its slot, in one call of that bucket's rows program
+        (see prefill_rows.py) → row i: prompt i's first token. Fails as `prefill` does."""
+        try:
+            return PendingTokens(self.row_prefill.prefill(slots, prompts, settings))
+        except Exception as e:
+            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
+                raise DecodeStateLost(f"batched prefill failed after donating the decode state: {e!r}") from e
+            raise
+
     def step(self, active: np.ndarray) -> PendingTokens:
         """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
         active = np.asarray(active, bool)
@@ -305,6 +322,7 @@ class Engine:
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
         for window in self.continuation_windows():  # one token each: compiles the program, writes little
             self._prefill_chunk(0, [0], window, self.prefill_buckets[-1], row)
+        self.row_prefill.warmup()
         only_first = np.eye(self.slots, dtype=bool)[0]
         for w in self.windows:
             self.positions[0] = w - 1

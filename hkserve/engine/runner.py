@@ -38,6 +38,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
+from hkserve.engine.handoff import mailbox_for
+from hkserve.engine.row_groups import RowGroups, RowOf
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -82,14 +84,12 @@ class RequestStream:
         self.admitted_at: float | None = None
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self._mailbox = mailbox_for(loop) if loop else None  # one loop wake-up per step (handoff.py)
         self.done = False  # set, under the runner's lock, once the final event is pushed
 
     def push(self, event: Event) -> None:
-        if self.loop is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._async.put_nowait, event)
-            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-                pass
+        if self._mailbox is not None:
+            self._mailbox.post(self._async, event)
         else:
             self._sync.put(event)
 
@@ -318,36 +318,80 @@ class InferenceRunner:
     def _admit(self) -> list[_InFlight]:
         admitted = []
         free = [i for i, s in enumerate(self._slots) if s is None]
-        spent = 0
-        while free and (not admitted or spent < self.prefill_budget):
-            with self._lock:
-                if not self._waiting:
-                    break
-                stream = self._waiting.popleft()
-            slot = free.pop(0)
-            request = stream.request
-            spent += len(request.prompt_ids)
-            stream.admitted_at = time.monotonic()
-            scores = None
-            try:
-                if request.prompt_logprobs is None:
-                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
-                else:
-                    pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
-            except Exception as e:  # this request only: its slot stays free, the others go on
-                if not isinstance(e, ValueError):
-                    log.exception("prefill of request %s failed", request.id)
-                self._finish(None, stream, "error", f"the request could not be started: {e}")
-                if isinstance(e, DecodeStateLost):
-                    raise  # every slot's state went with it: the loop fails the others and resets
-                continue
-            if request.max_tokens:
-                self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
-            else:  # only the prompt's scores are wanted: the slot is free again at once
-                self._prompt_only.append(stream)
-                free.insert(0, slot)
-            admitted.append(_InFlight([(slot, stream)], pending, False, scores))
+        spent, taken = 0, 0
+        groups = RowGroups(self.engine)  # short prompts, prefilled several per call (row_groups.py)
+        try:
+            while free and (not taken or spent < self.prefill_budget):
+                with self._lock:
+                    if not self._waiting:
+                        break
+                    stream = self._waiting.popleft()
+                slot = free.pop(0)
+                request = stream.request
+                spent, taken = spent + len(request.prompt_ids), taken + 1
+                stream.admitted_at = time.monotonic()
+                if groups.takes(request):
+                    full = groups.add(slot, stream)
+                    admitted += self._prefill_rows(full) if full else []
+                    continue
+                admitted += self._prefill_one(slot, stream, free)
+            for group in groups.drain():
+                admitted += self._prefill_rows(group)
+        except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
+            self._prefill_failed([stream for group in groups.drain() for _, stream in group], None)
+            raise
         return admitted
+
+    def _prefill_one(self, slot: int, stream: RequestStream, free: list[int]) -> list[_InFlight]:
+        request = stream.request
+        scores = None
+        try:
+            if request.prompt_logprobs is None:
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+            else:
+                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
+        except Exception as e:  # this request only: its slot stays free, the others go on
+            self._prefill_failed([stream], e)
+            return []
+        if request.max_tokens:
+            self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
+        else:  # only the prompt's scores are wanted: the slot is free again at once
+            self._prompt_only.append(stream)
+            free.insert(0, slot)
+        return [_InFlight([(slot, stream)], pending, False, scores)]
+
+    def _prefill_rows(self, group: list[tuple[int, RequestStream]]) -> list[_InFlight]:
+        """One batched prefill of a group of short prompts (Engine.prefill_many): one flight per row."""
+        requests = [stream.request for _, stream in group]
+        try:
+            pending = self.engine.prefill_many(
+                [slot for slot, _ in group], [r.prompt_ids for r in requests], [r.sampling for r in requests]
+            )
+        except Exception as e:
+            if len(group) == 1 or isinstance(e, DecodeStateLost):  # these requests only: their slots stay free
+                self._prefill_failed([stream for _, stream in group], e)
+                return []
+            # Each alone, in the same program (same bits): only a request that fails alone fails.
+            flights = []
+            for i, member in enumerate(group):
+                try:
+                    flights += self._prefill_rows([member])
+                except DecodeStateLost:
+                    self._prefill_failed([stream for _, stream in group[i + 1 :]], None)
+                    raise
+            return flights
+        for slot, stream in group:
+            self._slots[slot] = _Slot(stream, 0, len(stream.request.prompt_ids))
+        return [_InFlight([(slot, stream)], RowOf(pending, row), False) for row, (slot, stream) in enumerate(group)]
+
+    def _prefill_failed(self, streams: list[RequestStream], e: Exception | None) -> None:
+        """End requests whose prefill failed (e None: never tried, the decode state was lost before)."""
+        if e is not None and not isinstance(e, ValueError):
+            log.exception("prefill of request(s) %s failed", ", ".join(s.request.id for s in streams))
+        for stream in streams:
+            self._finish(None, stream, "error", f"the request could not be started: {e or 'the decode state was lost'}")
+        if isinstance(e, DecodeStateLost):
+            raise e  # every slot's state went with it: the loop fails the others and resets
 
     def _emit_prompt(self, stream: RequestStream, scored: list[ScoredToken]) -> None:
         """Deliver the request's scored prompt; a request for no tokens ends with it."""

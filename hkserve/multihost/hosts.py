@@ -135,6 +135,13 @@ class LeaderEngine:
         self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings)))
         return settings
 
+    def prefill_many(self, slots, prompts, settings):
+        settings = [s or SamplingParams() for s in settings]
+        ids = [[int(t) for t in p] for p in prompts]
+        sets = [dataclasses.asdict(s) for s in settings]
+        self._leader.broadcast(_call("prefill_many", slots=[int(s) for s in slots], ids=ids, settings=sets))
+        return self._engine.prefill_many(slots, prompts, settings)
+
     def step(self, active):
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step", active=active.tolist()))
@@ -163,6 +170,9 @@ def follow(engine, follower: Follower) -> int:
     calls = {
         "prefill": lambda m: engine.prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
         "score_prefill": lambda m: engine.score_prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
+        "prefill_many": lambda m: engine.prefill_many(
+            m["slots"], m["ids"], [SamplingParams(**s) for s in m["settings"]]
+        ),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
         "reset": lambda m: engine.reset(),
         "warmup": lambda m: engine.warmup(),

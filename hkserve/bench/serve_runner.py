@@ -1,0 +1,82 @@
+"""The in-process side of `hkserve bench serve`: the same workload as its HTTP clients (prompts,
+lengths, sampling, concurrency) submitted straight to an InferenceRunner in this process, so the
+HTTP layer's cost is the ratio of the two figures of one run.
+
+The engine is built as `hkserve serve` builds it (store weights for this backend, slots, context
+length, top logprobs), with `prefill_rows` as asked: 0 is the one-prompt-per-call prefill, so the
+same workload measures batched prefill's effect on TTFT too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+
+from hkserve.checkpoint.store import ModelStore
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.model.build import build_model
+from hkserve.model.config import default_weights
+from hkserve.model.sampling import SamplingParams
+
+SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
+
+
+def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int, max_len: int) -> InferenceRunner:
+    """A started runner over an engine built like `hkserve serve`'s, without its warm-up (the caller
+    runs an untimed phase of the workload instead, which compiles only the programs it uses)."""
+    store = ModelStore()
+    weights = default_weights(jax.default_backend(), None)
+    config = store.config(model, weights)
+    params = store.params(model, weights=weights)
+    engine = Engine(
+        build_model(config), params, slots=slots, max_len=max_len, n_top=SERVE_N_TOP, prefill_rows=prefill_rows
+    )
+    return InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
+
+
+def prompt_ids(model: str, prompts: list[str]) -> list[list[int]]:
+    """The prompts as the server tokenizes a completion's prompt."""
+    tokenizer = ModelStore().tokenizer(model)
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def _one(runner: InferenceRunner, ids: list[int], max_tokens: int, seed: int) -> dict:
+    """One request as bench serve's HTTP client makes it: temperature 0.8, its seed, ignore_eos."""
+    request = Request(list(ids), max_tokens, SamplingParams(temperature=0.8, seed=seed))
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    for event in runner.submit(request):
+        if event.error:
+            raise RuntimeError(event.error)
+        if event.token is not None:
+            arrivals.append(time.perf_counter())
+            tokens += 1
+    return {"ttft": arrivals[0] - start if arrivals else float("nan"), "itl": list(np.diff(arrivals)), "tokens": tokens}
+
+
+def runner_phase(runner: InferenceRunner, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int):
+    """`concurrency` client threads, `requests` in all (prompt i % len(prompts), seed i) → the
+    per-request results and the wall time."""
+    results, lock, counter = [], threading.Lock(), iter(range(requests))
+
+    def client():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = _one(runner, prompts[i % len(prompts)], max_tokens, seed=i)
+            with lock:
+                results.append(r)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - started

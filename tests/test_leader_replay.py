@@ -1,0 +1,34 @@
+"""Host 0's LeaderEngine announces each device call and the followers replay it: a batched prefill
+(prefill_many) reaches a follower's engine as the same call, slots, prompts and settings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from fake_engine import FakeEngine
+
+from hkserve.model.sampling import SamplingParams
+from hkserve.multihost.hosts import LeaderEngine, follow
+
+
+class RecordingLeader:
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def broadcast(self, message: dict) -> None:
+        self.sent.append(json.loads(json.dumps(message)))  # as the channel carries it: JSON
+
+
+def test_a_batched_prefill_and_a_step_are_replayed_identically_by_a_follower():
+    leader_engine, follower_engine = FakeEngine(slots=4, prefill_rows=2), FakeEngine(slots=4, prefill_rows=2)
+    channel = RecordingLeader()
+    engine = LeaderEngine(leader_engine, channel)
+    settings = [SamplingParams(temperature=0.5, seed=3), None]
+    first = engine.prefill_many([2, 0], [[5, 6], [7]], settings).read()
+    engine.step(np.asarray([True, False, True, False])).read()
+    assert [m["op"] for m in channel.sent] == ["prefill_many", "step"]
+    assert follow(follower_engine, iter(channel.sent + [{"op": "exit"}])) == 0
+    assert follower_engine.calls == leader_engine.calls
+    assert [t.id for t in first] == [7, 8]
+    assert channel.sent[0]["settings"][0]["temperature"] == 0.5 and channel.sent[0]["settings"][0]["seed"] == 3
