@@ -21,7 +21,7 @@ from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner, RunnerStats
 from hkserve.model.build import build_model
 
-WAIT = 60  # seconds; only a broken server takes this long
+WAIT = 300  # seconds; only a broken server (or a prefill compile on a very loaded machine) takes this long
 
 
 class SteppedEngine(Engine):
