@@ -26,10 +26,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hkserve.cli.loading import load_runner
-from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.engine import check_context
 from hkserve.engine.runner import Overloaded, Request
+from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.sampling import SamplingParams
 
 
