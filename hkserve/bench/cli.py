@@ -57,6 +57,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
     p.add_argument("--matmul-n", type=int, default=None, help="n of the n×n matmul (default 2048 on CPU, else 8192)")
     p.add_argument("--weights", default=None, help="also measure these stored weight variants, e.g. f32,bf16,int8")
+    p.add_argument(
+        "--kernels",
+        default=None,
+        help="with --weights: measure each variant with these kernel paths instead (auto,xla), sides alternated",
+    )
+    p.add_argument("--llama-gguf", default=None, help="with --kernels: a GGUF file for the llama.cpp peer")
+    p.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp peer")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
 
 
