@@ -72,11 +72,14 @@ def bench_kernels(store, args, prompts: np.ndarray, slot_counts: list[int]) -> d
     for weights in args.weights.split(","):
         config = store.config(args.model, weights)
         params = store.params(args.model, weights=weights)
+        measured = set()
         for requested in args.kernels.split(","):
             spec = resolve(requested, config.dtype, config.memory)
-            label = f"{weights}/{requested}"
-            if spec is None and requested != "xla":
-                _log(f"{label}: the kernels do not apply ({config.dtype} weights): this is XLA's path")
+            if spec in measured:  # e.g. f32/auto: the kernels do not apply, it is f32/xla again
+                _log(f"{weights}/{requested}: the kernels do not apply to {config.dtype} weights: measured once")
+                continue
+            measured.add(spec)
+            label = f"{weights}/{requested if spec is not None else 'xla'}"
             model = build_model(config, spec)
             for n in slot_counts:
                 engine = Engine(model, params, slots=n, max_len=args.max_len)

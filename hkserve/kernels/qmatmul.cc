@@ -304,7 +304,9 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(xf.data() + r * p.kp, x.typed_data() + r * p.k, p.k * sizeof(float));
     p.xf = xf.data();
   }
-  if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
+  // threads 0: the pool from 4 rows on; fewer rows (batch-1 decode) stay on the calling thread, which
+  // measured steadier and no slower on the shared 2-core machine (hkserve/kernels/README.md).
+  if (threads <= 0) threads = p.m < 4 ? 1 : std::max<int64_t>(1, pool.num_threads());
   auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A8>(p, t) : run_tile<1, A8>(p, t); };
   parallel_tiles(pool, p.np / NT, threads, body);
   return ffi::Error::Success();

@@ -33,8 +33,8 @@ def quantized_weight(name: str, shape, dtype, scale_shape, fan_in: int):
     layout, which the model's `prepare` made at load."""
     if dtype == jnp.int8 and len(shape) == 2 and dispatch.active() is not None:
         w = hk.get_parameter(name, pack.packed_shape(tuple(shape)), jnp.uint8, init=jnp.zeros)
-        return w, hk.get_parameter(f"{name}_scale" if name != "w" else "scale", scale_shape, F32, init=jnp.ones)
-    w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
+    else:
+        w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
     if dtype != jnp.int8:
         return w, None
     return w, hk.get_parameter(f"{name}_scale" if name != "w" else "scale", scale_shape, F32, init=jnp.ones)
