@@ -32,6 +32,10 @@ def test_bench_engine_json_on_tiny_model(tmp_path):
             "1",
             "--bandwidth-mb",
             "256",
+            "--weights",
+            "int8",
+            "--kernels",
+            "auto,xla",
             "--json",
         ],
         cwd=REPO,
@@ -56,3 +60,15 @@ def test_bench_engine_json_on_tiny_model(tmp_path):
         assert set(peer) == {"1"} and peer["1"] > 0
         assert ratios["hkserve_1_over_hf_1"] > 0
     assert "hkserve" in result.stdout.splitlines()[0]  # the human table comes first
+
+    by_kernels = report["by_kernels"]  # int8 through the C++ kernels and through XLA, alternated
+    for side in ("int8/auto", "int8/xla"):
+        assert set(by_kernels[side]) == {"1", "2"}, side
+        for figure in by_kernels[side].values():
+            assert figure["tok_s"] > 0 and figure["spread"] >= 1 and len(figure["runs"]) == 1
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert "not installed" in by_kernels["llama.cpp"]["skipped"]
+    else:
+        assert "--llama-gguf" in by_kernels["llama.cpp"]["skipped"]

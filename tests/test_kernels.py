@@ -103,7 +103,8 @@ def test_packing_round_trips_columns_for_the_embedding_lookup():
 
 
 def test_auto_takes_the_kernels_only_for_int8_kv_models_on_one_cpu_device():
-    assert dispatch.resolve("auto", "int8") == KernelSpec("w8a8", ffi.cpu_isa())
+    assert dispatch.resolve("auto", "int8") == KernelSpec("w8a32", ffi.cpu_isa())
+    assert dispatch.resolve("w8a8", "int8") == KernelSpec("w8a8", ffi.cpu_isa())
     assert dispatch.resolve("xla", "int8") is None
     assert dispatch.resolve("auto", "float32") is None
     assert dispatch.resolve("auto", "int8", memory="vq") is None
@@ -144,9 +145,10 @@ def test_packed_model_equals_the_xla_int8_model(isa):
     assert np.abs(a8 - xla).max() < 0.05 * np.abs(xla).max()
 
 
-def test_a_request_is_bit_identical_alone_or_among_others_with_kernels():
+@pytest.mark.parametrize("kernels", ["auto", "w8a8"])
+def test_a_request_is_bit_identical_alone_or_among_others_with_kernels(kernels):
     config, params = int8_model()
-    spec = dispatch.resolve("auto", config.dtype)
+    spec = dispatch.resolve(kernels, config.dtype)
     engine = Engine(build_model(config, spec), params, slots=4, max_len=128, prefill_buckets=(16,))
     runner = InferenceRunner(engine).start(warmup=False)
     try:
@@ -178,7 +180,7 @@ def test_smollm2_int8_kernels_perplexity_within_1_percent_of_float32_and_greedy_
     spec = dispatch.resolve("auto", config.dtype)
     ppl, _ = perplexity(config, params, ids, 256, spec)
     print(f"\nint8 + {spec.describe()}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} over {n} tokens")
-    assert abs(ppl / ppl_f32 - 1) < 0.01
+    assert abs(ppl / ppl_f32 - 1) < 0.01  # w8a8 measured +3.1% here: why auto is the weight-only kernel
 
     runner = InferenceRunner(Engine(build_model(config, spec), params, slots=4, max_len=128)).start(warmup=False)
     try:
