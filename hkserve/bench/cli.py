@@ -68,6 +68,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="pool,1",
         help="XLA CPU intra-op threading settings for --background-load: pool (XLA's default), 1",
     )
+    p.add_argument(
+        "--kernels",
+        default=None,
+        help="with --weights: measure each variant with these kernel paths instead (auto,xla), sides alternated",
+    )
+    p.add_argument("--llama-gguf", default=None, help="with --kernels: a GGUF file for the llama.cpp peer")
+    p.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp peer")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
 
 

@@ -23,6 +23,7 @@ import time
 import jax
 import numpy as np
 
+from hkserve.bench.kernels import bench_kernels, print_kernels
 from hkserve.bench.limits import cpu_busy, measure_bandwidth, measure_matmul, weights_per_token
 from hkserve.bench.peer import WARMUP_STEPS, run_peer
 from hkserve.bench.random_models import random_config, random_params
@@ -169,8 +170,13 @@ def cmd_bench_engine(args) -> int:
     if args.weights:
         if args.random:
             raise ValueError("--weights measures stored weight variants: it needs --model, not --random")
-        report["by_weights"] = bench_weight_variants(ModelStore(), args, prompts, bandwidth, [lo, hi])
+        if args.kernels:
+            report["by_kernels"] = bench_kernels(ModelStore(), args, prompts, [lo, hi])
+        else:
+            report["by_weights"] = bench_weight_variants(ModelStore(), args, prompts, bandwidth, [lo, hi])
     print_table(report, config)
+    if "by_kernels" in report:
+        print_kernels(report["by_kernels"])
     if args.json:
         print(json.dumps(report))
     sys.stdout.flush()

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from hkserve.checkpoint.store import ModelStore
+from hkserve.kernels.dispatch import KernelSpec, add_kernels_argument, resolve
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 
@@ -20,12 +21,15 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8"])
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--window", type=int, default=512, help="tokens per forward (non-overlapping windows)")
+    add_kernels_argument(p)
 
 
-def perplexity(config, params, ids: list[int], window: int) -> tuple[float, int]:
+def perplexity(config, params, ids: list[int], window: int, kernels: KernelSpec | None = None) -> tuple[float, int]:
     """exp(mean next-token NLL) over `ids`, scored in windows of `window` tokens (each window starts
     with no context). → (perplexity, tokens scored)."""
-    model = build_model(config)
+    model = build_model(config, kernels)
+    if model.prepare is not None:
+        params = jax.jit(model.prepare)(params)
     forward = jax.jit(model.forward)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
@@ -45,7 +49,8 @@ def run(args) -> int:
     store = ModelStore()
     config = store.config(args.model, args.weights)
     ids = store.tokenizer(args.model).encode(Path(args.text).read_text())
-    ppl, count = perplexity(config, store.params(args.model, weights=args.weights), ids, args.window)
+    kernels = resolve(args.kernels, config.dtype, config.memory, devices=1)
+    ppl, count = perplexity(config, store.params(args.model, weights=args.weights), ids, args.window, kernels)
     print(f"{args.model} {config.dtype}: perplexity {ppl:.4f} over {count} tokens", flush=True)
     sys.stdout.flush()
     return 0

@@ -8,6 +8,7 @@ from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner
+from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.config import default_weights
 from hkserve.model.sharding import param_shardings, parse_mesh
@@ -33,8 +34,9 @@ def load_engine(args, slots: int, hosts=None):
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
+    kernels = resolve(getattr(args, "kernels", "auto"), config.dtype, config.memory, mesh.size)
     return Engine(
-        build_model(config),
+        build_model(config, kernels),
         params,
         slots=slots,
         max_len=args.max_len,

@@ -18,6 +18,7 @@ from hkserve.cli.generate import run_generate
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, run_server
+from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(WEIGHTS),
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
+    add_kernels_argument(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_limit_arguments(p.add_argument_group("client limits (what one client may cost the server)"))
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(WEIGHTS),
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
+    add_kernels_argument(p)
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("logits", help="float32 logits of a full forward pass at every position")

@@ -29,6 +29,7 @@ from hkserve.cli.loading import load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.engine import check_context
 from hkserve.engine.runner import Overloaded, Request
+from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.sampling import SamplingParams
 
 
@@ -44,6 +45,7 @@ def add_arguments(p) -> None:
         choices=["f32", "bf16", "int8"],
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
+    add_kernels_argument(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

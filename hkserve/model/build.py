@@ -6,15 +6,21 @@ import functools
 
 import jax
 
+from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model.config import ModelConfig
 from hkserve.model.model import Model
 from hkserve.model.transformer import build_kv_model
 from hkserve.model.vq_model import build_vq_model
 
 
-def build_model(config: ModelConfig) -> Model:
-    """The KV decoder (transformer.py) or, for memory="vq", Transformer-VQ's (vq_model.py)."""
-    return build_vq_model(config) if config.memory == "vq" else build_kv_model(config)
+def build_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Model:
+    """The KV decoder (transformer.py) or, for memory="vq", Transformer-VQ's (vq_model.py). `kernels`
+    (kernels/dispatch.py `resolve`) runs a KV decoder's int8 products through the CPU kernels."""
+    if config.memory == "vq":
+        if kernels is not None:
+            raise ValueError("the CPU kernels serve KV-memory models only")
+        return build_vq_model(config)
+    return build_kv_model(config, kernels)
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from hkserve.kernels import dispatch, ffi, pack
 from hkserve.model.config import ModelConfig
 
 F32 = jnp.float32
@@ -27,8 +28,13 @@ def norm_dtype(config: ModelConfig):
 
 def quantized_weight(name: str, shape, dtype, scale_shape, fan_in: int):
     """(weight, per-output-channel scale or None). int8 weights (grok-1's QuantizedWeight8bit idea)
-    are widened inside the jitted dot, which XLA fuses: the step reads int8 bytes, never a float copy."""
-    w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
+    are widened inside the jitted dot, which XLA fuses: the step reads int8 bytes, never a float copy.
+    With CPU kernels active (kernels/dispatch.py) a 2-D int8 weight is read in its packed uint8
+    layout, which the model's `prepare` made at load."""
+    if dtype == jnp.int8 and len(shape) == 2 and dispatch.active() is not None:
+        w = hk.get_parameter(name, pack.packed_shape(tuple(shape)), jnp.uint8, init=jnp.zeros)
+    else:
+        w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
     if dtype != jnp.int8:
         return w, None
     return w, hk.get_parameter(f"{name}_scale" if name != "w" else "scale", scale_shape, F32, init=jnp.ones)
@@ -59,7 +65,11 @@ def _wide_int8_dot(x: jax.Array, w: jax.Array, out_axis: int) -> jax.Array | Non
 
 
 def qdot(x: jax.Array, w: jax.Array, scale: jax.Array | None, spec: str | None = None, out_axis: int = 1) -> jax.Array:
-    """x·w accumulated in float32; int8 weights widen in the dot and their scale applies after it."""
+    """x·w accumulated in float32; int8 weights widen in the dot and their scale applies after it.
+    A packed (uint8) weight goes to the active CPU kernel, which applies the scale itself."""
+    if w.dtype == jnp.uint8:
+        kernel = dispatch.active()
+        return ffi.matmul(x, w, scale, kernel.kind, kernel.isa, kernel.threads)
     if scale is None:
         x = x.astype(w.dtype)
         if out_axis == 0:
@@ -108,6 +118,9 @@ class Embed(hk.Module):
 
     def _table(self):
         """[V, D] embeddings and, for int8, a scale per token row [V] (= per output channel when tied)."""
+        if self.dtype == jnp.int8 and dispatch.active() is not None:  # packed as the [D, V] output head
+            table = hk.get_parameter("embeddings", pack.packed_shape(self.shape[::-1]), jnp.uint8, init=jnp.zeros)
+            return table, hk.get_parameter("scale", self.shape[:1], F32, init=jnp.ones)
         if self.dtype == jnp.int8:
             table = hk.get_parameter("embeddings", self.shape, jnp.int8, init=jnp.zeros)
             return table, hk.get_parameter("scale", self.shape[:1], F32, init=jnp.ones)
@@ -115,7 +128,10 @@ class Embed(hk.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table, scale = self._table()
-        rows = jnp.take(table, tokens, axis=0).astype(F32)
+        if table.dtype == jnp.uint8:
+            rows = pack.unpack_rows(table, tokens, self.shape[1]).astype(F32)
+        else:
+            rows = jnp.take(table, tokens, axis=0).astype(F32)
         return rows if scale is None else rows * jnp.take(scale, tokens)[..., None]
 
     def unembed(self, x: jax.Array) -> jax.Array:

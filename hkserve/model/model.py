@@ -13,4 +13,4 @@ class Model(NamedTuple):
     config: ModelConfig
     init: callable  # (rng) -> params
     forward: callable  # (params, tokens [b,T], memory, lengths [b], slots=None, attend_len=S, last_only=False)
-    prepare: callable | None = None  # params -> params with what serving derives once from them (VQ); None: as is
+    prepare: callable | None = None  # params -> what serving derives once from them (VQ keys, packed int8); None: as is

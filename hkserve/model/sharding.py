@@ -103,6 +103,9 @@ def param_specs(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
     for module, names in params_shapes.items():
         for name, leaf in names.items():
             path = f"{module}/{name}"
+            if leaf.dtype == np.uint8:  # packed for the CPU kernels, which run on a 1x1 mesh: replicated
+                specs.setdefault(module, {})[name] = P(*([None] * len(leaf.shape)))
+                continue
             rule = next((r for r in PARAM_RULES if re.search(r[0], path)), None)
             if rule is None:
                 raise ValueError(f"no partition rule matches param {path!r}")

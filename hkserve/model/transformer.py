@@ -8,15 +8,20 @@ with `lengths = 0` for idle slots (nothing written, step unchanged).
 
 from __future__ import annotations
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from hkserve.kernels import dispatch
+from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model.attention import Attention
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
 from hkserve.model.memory import KVMemory, init_memory
 from hkserve.model.model import Model
+from hkserve.model.packing import pack_params
 
 
 def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool):
@@ -86,19 +91,27 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     return logits, memory
 
 
-def build_kv_model(config: ModelConfig) -> Model:
-    """The KV-memory decoder of `config` (Llama-family, MoE, grok-1, Qwen, Gemma and Phi-3 options)."""
-
+def _transform(config: ModelConfig, kernels: KernelSpec | None):
     def fn(tokens, memory, lengths, slots, attend_len, last_only):
-        with hk.experimental.name_scope("decoder"):
+        with dispatch.using(kernels), hk.experimental.name_scope("decoder"):
             return _decoder(config, tokens, memory, lengths, slots, attend_len, last_only)
 
-    transformed = hk.without_apply_rng(hk.transform(fn))
+    return hk.without_apply_rng(hk.transform(fn))
+
+
+def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Model:
+    """The KV-memory decoder of `config` (Llama-family, MoE, grok-1, Qwen, Gemma and Phi-3 options).
+
+    With `kernels` (CPU, int8 weights) its forward runs the int8 matrix products through the C++
+    kernels and takes params that `prepare` packed once from the stored ones; `init` stays plain."""
+    plain = _transform(config, None)
+    transformed = _transform(config, kernels) if kernels is not None else plain
+
+    def init_args():
+        return jnp.zeros((1, 1), jnp.int32), init_memory(config, 1, 1), jnp.ones((1,), jnp.int32), None, 1, False
 
     def init(rng) -> hk.Params:
-        memory = init_memory(config, 1, 1)
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        return transformed.init(rng, tokens, memory, jnp.ones((1,), jnp.int32), None, 1, False)
+        return plain.init(rng, *init_args())
 
     def forward(
         params, tokens, memory: KVMemory, lengths, slots=None, attend_len: int | None = None, last_only: bool = False
@@ -112,4 +125,7 @@ def build_kv_model(config: ModelConfig) -> Model:
         attend_len = memory.max_len if attend_len is None else attend_len
         return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
 
-    return Model(config=config, init=init, forward=forward)
+    if kernels is None:
+        return Model(config=config, init=init, forward=forward)
+    served = jax.eval_shape(lambda: transformed.init(jax.random.PRNGKey(0), *init_args()))
+    return Model(config=config, init=init, forward=forward, prepare=functools.partial(pack_params, served=served))

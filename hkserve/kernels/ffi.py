@@ -1,0 +1,48 @@
+"""Load the compiled kernels, register them with XLA's FFI, and call them from jitted code."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkserve.kernels.build import library_path
+
+log = logging.getLogger("hkserve.kernels")
+ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
+TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a32": ("hk_w8a32", "HkW8A32")}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernel library with its targets registered for the CPU platform; None when unavailable."""
+    path = library_path()
+    if path is None:
+        return None
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib
+
+
+@functools.cache
+def cpu_isa() -> int:
+    """What this CPU runs: 2 AVX-512 VNNI, 1 AVX2 + FMA, 0 neither (or no library)."""
+    lib = library()
+    return int(lib.hk_cpu_isa()) if lib is not None else 0
+
+
+def matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, kind: str, isa: int, threads: int = 0) -> jax.Array:
+    """x [..., K] float32 · packed int8 weight (pack.py) [N/64, K/4, 64, 4] → [..., N] float32, scaled
+    per output channel. kind "w8a8" quantizes x per 32 values; "w8a32" keeps x float32."""
+    if library() is None or isa > cpu_isa() or isa not in ISA_NAMES:
+        raise RuntimeError(f"kernel isa {isa} is not available on this machine (has {cpu_isa()})")
+    n = scale.shape[-1]
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGETS[kind][0], jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    y = call(rows, packed, scale.astype(jnp.float32), isa=np.int64(isa), threads=np.int64(threads))
+    return y.reshape(*x.shape[:-1], n)

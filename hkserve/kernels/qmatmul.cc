@@ -1,0 +1,345 @@
+// int8 matrix products for XLA's CPU backend, called as FFI custom calls from the jitted steps.
+//
+// Weights are packed once at load (hkserve/kernels/pack.py) as uint8 w + 128 in the layout
+// [N_pad/64][K_pad/4][64][4]: tile t holds output columns 64t..64t+63, and each 4-byte lane holds
+// 4 consecutive inputs of one column, which is what vpdpbusd consumes. K_pad is a multiple of 32
+// (the activation block), N_pad of 64; padding is zero weight (128 stored).
+//
+//   hk_w8a8:  y = scale * (x8 . w), x quantized on the fly per row in blocks of 32 values
+//             (absmax / 127, round half to even, as llama.cpp's Q8_0). vpdpbusd multiplies the
+//             unsigned w + 128 by signed x8, so the offset costs 128 * sum(x8) per block: a per-row
+//             constant folded in at the end, no extra weight bytes.
+//   hk_w8a32: y = scale * (x . w), float32 activations, int8 weights widened in registers.
+//
+// Attribute isa: 2 = AVX-512 VNNI, 1 = AVX2 (vpmaddubsw/vpmaddwd for w8a8). Work is split by
+// output tiles over XLA's own intra-op thread pool: the calling thread works too and never waits
+// for a helper that has not started, so a busy pool costs parallelism, never a stall.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int QK = 32;  // activation block
+constexpr int NT = 64;  // output columns per packed tile
+
+struct Problem {
+  int64_t m, k, n, kp, np;  // rows, inputs, outputs, padded inputs, padded outputs
+  const uint8_t* w;         // packed [np/64][kp/4][64][4]
+  const float* scale;       // [n]
+  float* y;                 // [m, n]
+  // w8a8: quantized rows
+  const int8_t* xq;   // [m, kp]
+  const uint8_t* xa;  // [m, kp] |xq| (AVX2's vpmaddubsw needs an unsigned operand)
+  const float* d;     // [m, kp/32] block scales
+  const float* c;     // [m] 128 * sum_b d_b * sum(xq in b)
+  // w8a32: zero-padded float rows
+  const float* xf;  // [m, kp]
+};
+
+void store_tile(const Problem& p, int64_t row, int64_t col0, const float* acc) {
+  int64_t cols = std::min<int64_t>(NT, p.n - col0);
+  float* out = p.y + row * p.n + col0;
+  for (int64_t j = 0; j < cols; ++j) out[j] = acc[j] * p.scale[col0 + j];
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void a8_rows_512(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* wt = p.w + t * p.kp * NT;
+  __m512 f[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) f[r][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.kp / QK; ++b) {
+    __m512i a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_si512();
+    for (int g = 0; g < QK / 4; ++g) {
+      const uint8_t* q = wt + (b * (QK / 4) + g) * 256;
+      __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
+      __m512i w2 = _mm512_loadu_si512(q + 128), w3 = _mm512_loadu_si512(q + 192);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
+        __m512i xb = _mm512_set1_epi32(x4);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, xb);
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, xb);
+        a[r][2] = _mm512_dpbusd_epi32(a[r][2], w2, xb);
+        a[r][3] = _mm512_dpbusd_epi32(a[r][3], w3, xb);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 dv = _mm512_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
+      for (int i = 0; i < 4; ++i) f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, f[r][i]);
+    }
+  }
+  alignas(64) float acc[NT];
+  for (int r = 0; r < R; ++r) {
+    __m512 cv = _mm512_set1_ps(p.c[r0 + r]);
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(acc + 16 * i, _mm512_sub_ps(f[r][i], cv));
+    store_tile(p, r0 + r, t * NT, acc);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw"))) void a32_rows_512(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* wt = p.w + t * p.kp * NT;
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  __m512 f[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) f[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.kp / 4; ++g) {
+    const uint8_t* q = wt + g * 256;
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), flip);  // back to int8 lanes
+      __m512 w[4] = {
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)),
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)),
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)),
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)),
+      };
+      for (int r = 0; r < R; ++r) {
+        const float* x = p.xf + (r0 + r) * p.kp + g * 4;
+        for (int e = 0; e < 4; ++e) f[r][i] = _mm512_fmadd_ps(w[e], _mm512_set1_ps(x[e]), f[r][i]);
+      }
+    }
+  }
+  alignas(64) float acc[NT];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(acc + 16 * i, f[r][i]);
+    store_tile(p, r0 + r, t * NT, acc);
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 (32-column halves of a tile)
+
+template <int R>
+__attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
+  const uint8_t* wt = p.w + t * p.kp * NT;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 f[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) f[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < p.kp / QK; ++b) {
+      __m256i a[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_si256();
+      for (int g = 0; g < QK / 4; ++g) {
+        const uint8_t* q = wt + (b * (QK / 4) + g) * 256 + h * 128;
+        __m256i w[4];
+        for (int i = 0; i < 4; ++i)
+          w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
+        for (int r = 0; r < R; ++r) {
+          int32_t s4, u4;
+          std::memcpy(&s4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
+          std::memcpy(&u4, p.xa + (r0 + r) * p.kp + b * QK + g * 4, 4);
+          __m256i xs = _mm256_set1_epi32(s4), xu = _mm256_set1_epi32(u4);
+          for (int i = 0; i < 4; ++i) {
+            // |x| * (w * sign(x)): at most 2 * 127 * 127, so vpmaddubsw cannot saturate
+            __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs));
+            a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(prod, ones));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 dv = _mm256_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
+        for (int i = 0; i < 4; ++i) f[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][i]), dv, f[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc[r] + h * 32 + 8 * i, f[r][i]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void a32_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
+  const uint8_t* wt = p.w + t * p.kp * NT;
+  const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
+  for (int h = 0; h < 2; ++h) {
+    __m256 f[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) f[r][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.kp / 4; ++g) {
+      const uint8_t* q = wt + g * 256 + h * 128;
+      for (int i = 0; i < 4; ++i) {
+        __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
+        __m256 w[4] = {
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24)),
+        };
+        for (int r = 0; r < R; ++r) {
+          const float* x = p.xf + (r0 + r) * p.kp + g * 4;
+          for (int e = 0; e < 4; ++e) f[r][i] = _mm256_fmadd_ps(w[e], _mm256_set1_ps(x[e]), f[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc[r] + h * 32 + 8 * i, f[r][i]);
+  }
+}
+
+template <int R, bool A8>
+void rows_avx2(const Problem& p, int64_t t, int64_t r0) {
+  float acc[R][NT];
+  if (A8) {
+    a8_rows_avx2<R>(p, t, r0, acc);  // signed products: no offset to take back
+  } else {
+    a32_rows_avx2<R>(p, t, r0, acc);
+  }
+  for (int r = 0; r < R; ++r) store_tile(p, r0 + r, t * NT, acc[r]);
+}
+
+// One output tile for every row: rows in groups that share each weight load.
+template <int ISA, bool A8>
+void run_tile(const Problem& p, int64_t t) {
+  int64_t r = 0;
+  if (ISA == 2) {
+    constexpr int G = A8 ? 2 : 4;
+    for (; r + G <= p.m; r += G) A8 ? a8_rows_512<G>(p, t, r) : a32_rows_512<G>(p, t, r);
+    for (; r < p.m; ++r) A8 ? a8_rows_512<1>(p, t, r) : a32_rows_512<1>(p, t, r);
+  } else {
+    for (; r + 2 <= p.m; r += 2) rows_avx2<2, A8>(p, t, r);
+    for (; r < p.m; ++r) rows_avx2<1, A8>(p, t, r);
+  }
+}
+
+// ---------------------------------------------------------------- activations
+
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa, float* d, float* c) {
+  for (int64_t r = 0; r < m; ++r) {
+    float corr = 0.f;
+    for (int64_t b = 0; b < kp / QK; ++b) {
+      int64_t lo = b * QK, hi = std::min<int64_t>(lo + QK, k);
+      float amax = 0.f;
+      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[r * k + i]));
+      float db = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = lo; i < lo + QK; ++i) {
+        int32_t q = i < hi ? static_cast<int32_t>(std::nearbyint(x[r * k + i] * inv)) : 0;
+        q = std::max(-127, std::min(127, q));
+        xq[r * kp + i] = static_cast<int8_t>(q);
+        xa[r * kp + i] = static_cast<uint8_t>(q < 0 ? -q : q);
+        sum += q;
+      }
+      d[r * (kp / QK) + b] = db;
+      corr += db * static_cast<float>(sum);
+    }
+    c[r] = 128.f * corr;
+  }
+}
+
+// ---------------------------------------------------------------- threads
+
+// Shared by the caller and the helper tasks it schedules; helpers hold it alive by shared_ptr, so a
+// helper that starts after the call returned touches only this, finds it closed, and leaves.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> closed{false};
+};
+
+template <typename F>
+void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const F& body) {
+  int64_t helpers = std::min<int64_t>(threads - 1, tiles - 1);
+  if (helpers <= 0) {
+    for (int64_t t = 0; t < tiles; ++t) body(t);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  auto drain = [work, tiles, &body] {
+    for (int64_t t; (t = work->next.fetch_add(1)) < tiles;) body(t);
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, drain] {
+      work->active.fetch_add(1);
+      if (!work->closed.load()) drain();
+      work->active.fetch_sub(1);
+    });
+  }
+  drain();
+  work->closed.store(true);
+  for (int spins = 0; work->active.load() != 0; ++spins) {  // only helpers already running a tile
+    if (spins > 1000) std::this_thread::yield();
+  }
+}
+
+template <bool A8>
+ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != NT || wd[3] != 4)
+    return ffi::Error::InvalidArgument("hk matmul: x must be [M, K] and w packed [N/64, K/4, 64, 4]");
+  Problem p{};
+  p.m = xd[0], p.k = xd[1], p.n = scale.element_count(), p.kp = wd[1] * 4, p.np = wd[0] * NT;
+  if (p.kp % QK || p.kp < p.k || p.kp - p.k >= QK || p.np < p.n || p.np - p.n >= NT)
+    return ffi::Error::InvalidArgument("hk matmul: packed weight does not fit x and scale");
+  if (isa != 1 && isa != 2) return ffi::Error::InvalidArgument("hk matmul: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
+  p.w = w.typed_data(), p.scale = scale.typed_data(), p.y = y->typed_data();
+  if (p.m == 0) return ffi::Error::Success();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<uint8_t> xa;
+  thread_local std::vector<float> xf, d, c;
+  if (A8) {
+    xq.resize(p.m * p.kp), xa.resize(p.m * p.kp), d.resize(p.m * p.kp / QK), c.resize(p.m);
+    quantize_rows(x.typed_data(), p.m, p.k, p.kp, xq.data(), xa.data(), d.data(), c.data());
+    p.xq = xq.data(), p.xa = xa.data(), p.d = d.data(), p.c = c.data();
+  } else {
+    xf.assign(p.m * p.kp, 0.f);
+    for (int64_t r = 0; r < p.m; ++r) std::memcpy(xf.data() + r * p.kp, x.typed_data() + r * p.k, p.k * sizeof(float));
+    p.xf = xf.data();
+  }
+  // threads 0: the pool from 4 rows on; fewer rows (batch-1 decode) stay on the calling thread, which
+  // measured steadier and no slower on the shared 2-core machine (hkserve/kernels/README.md).
+  if (threads <= 0) threads = p.m < 4 ? 1 : std::max<int64_t>(1, pool.num_threads());
+  auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A8>(p, t) : run_tile<1, A8>(p, t); };
+  parallel_tiles(pool, p.np / NT, threads, body);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A32, matmul<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads"));
+
+// What this CPU (and its OS) can run: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = neither.
+extern "C" int hk_cpu_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}

@@ -1,0 +1,196 @@
+"""The C++ CPU kernels (hkserve/kernels) against float64 numpy references, in a model, and in the engine.
+
+Tolerances: w8a32 equals the float64 product of x and the dequantized weight, and w8a8 the float64
+product of its block-quantized activations and the dequantized weight, both within 1e-5 of the sum
+of the terms' magnitudes (float32 accumulation). The activation quantization itself costs < 1.5%
+of the output's scale on Gaussian inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_config
+
+from hkserve.checkpoint.quantize import convert_params
+from hkserve.engine.engine import Engine
+from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.kernels import dispatch, ffi, pack
+from hkserve.kernels.dispatch import KernelSpec
+from hkserve.model.build import build_model
+from hkserve.model.layers import qdot
+from hkserve.model.memory import init_memory
+from hkserve.model.sampling import SamplingParams
+
+ISAS = [isa for isa in (2, 1) if isa <= ffi.cpu_isa()]
+SMOLLM2 = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # q/o, k/v, gate/up, down, head
+ODD = [(100, 70), (33, 129), (200, 1)]
+
+
+def test_this_machine_runs_at_least_one_isa_path():
+    assert ISAS, "no kernel library or no AVX2: the kernels are not tested here"
+
+
+def quantize_rows(x: np.ndarray) -> np.ndarray:
+    """The kernel's activation quantization in float32 (absmax / 127 per 32 values, round half to even),
+    dequantized: what w8a8 multiplies."""
+    k = x.shape[-1]
+    kp = -(-k // 32) * 32
+    blocks = np.pad(x, [(0, 0), (0, kp - k)]).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape[0], kp)[:, :k]
+
+
+def case(m: int, k: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed + m + 7 * k + 13 * n)
+    w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.random(n) * 0.02 + 0.001).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return x, w, scale
+
+
+@functools.cache
+def kernel(kind: str, isa: int):
+    return jax.jit(lambda x, w, s: ffi.matmul(x, w, s, kind, isa))
+
+
+def check(y, xs: np.ndarray, w: np.ndarray, scale: np.ndarray, tol: float = 1e-5):
+    wd = w.astype(np.float64) * scale.astype(np.float64)
+    ref = xs @ wd
+    bound = tol * (np.abs(xs) @ np.abs(wd)) + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert np.all(err <= bound), f"max error {err.max():.3g} over bound {(err / bound).max():.3g}x"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["w8a8", "w8a32"])
+@pytest.mark.parametrize("shape", SMOLLM2 + ODD)
+def test_kernel_equals_float64_reference(shape, kind, isa):
+    k, n = shape
+    batches = (1, 3, 16, 17) if n < 49152 else (1, 17)
+    for m in batches:
+        x, w, scale = case(m, k, n)
+        y = kernel(kind, isa)(x, pack.pack(jnp.asarray(w)), scale)
+        assert y.shape == (m, n)
+        xs = quantize_rows(x) if kind == "w8a8" else x.astype(np.float64)
+        check(y, xs, w, scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_w8a8_activation_error_stays_small_against_the_unquantized_product(isa):
+    x, w, scale = case(16, 576, 1536)
+    y = np.asarray(kernel("w8a8", isa)(x, pack.pack(jnp.asarray(w)), scale), np.float64)
+    exact = x.astype(np.float64) @ (w.astype(np.float64) * scale)
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 0.015
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (100, 70)])
+def test_xla_fallback_equals_float64_reference(shape):
+    for m in (1, 17):
+        x, w, scale = case(m, *shape)
+        check(jax.jit(qdot)(x, w, scale), x.astype(np.float64), w, scale)
+
+
+def test_packing_round_trips_columns_for_the_embedding_lookup():
+    w = np.random.default_rng(1).integers(-127, 128, (70, 130)).astype(np.int8)  # [D, V]
+    rows = jnp.asarray([[0, 129, 64], [63, 5, 128]])
+    np.testing.assert_array_equal(pack.unpack_rows(pack.pack(jnp.asarray(w)), rows, 70), w.T[np.asarray(rows)])
+
+
+def test_auto_takes_the_kernels_only_for_int8_kv_models_on_one_cpu_device():
+    assert dispatch.resolve("auto", "int8") == KernelSpec("w8a32", ffi.cpu_isa())
+    assert dispatch.resolve("w8a8", "int8") == KernelSpec("w8a8", ffi.cpu_isa())
+    assert dispatch.resolve("xla", "int8") is None
+    assert dispatch.resolve("auto", "float32") is None
+    assert dispatch.resolve("auto", "int8", memory="vq") is None
+    assert dispatch.resolve("auto", "int8", devices=2) is None  # sharded meshes keep XLA's dots
+    with pytest.raises(ValueError, match="--kernels"):
+        dispatch.resolve("fast", "int8")
+
+
+# ------------------------------------------------------------------ in the model and the engine
+
+BASE = tiny_config(vocab_size=200, dim=72, ffn_dim=136, tie_embeddings=True)  # no dim a multiple of 64
+
+
+@functools.cache
+def int8_model():
+    f32 = jax.tree_util.tree_map(np.asarray, build_model(BASE).init(jax.random.PRNGKey(3)))
+    return convert_params(f32, BASE, "int8")
+
+
+def forward_logits(spec: KernelSpec | None, tokens: np.ndarray) -> np.ndarray:
+    config, params = int8_model()
+    model = build_model(config, spec)
+    if model.prepare is not None:
+        params = jax.jit(model.prepare)(params)
+    b, t = tokens.shape
+    logits, _ = jax.jit(model.forward)(params, tokens, init_memory(config, b, t), np.full(b, t, np.int32))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_packed_model_equals_the_xla_int8_model(isa):
+    """w8a32 reads exactly the int8 weights XLA widens: packing, the tied head and the embedding lookup
+    from the packed table change nothing but float32 summation order. w8a8 stays close."""
+    tokens = np.random.default_rng(0).integers(0, BASE.vocab_size, (3, 9)).astype(np.int32)
+    xla = forward_logits(None, tokens)
+    np.testing.assert_allclose(forward_logits(KernelSpec("w8a32", isa), tokens), xla, atol=2e-4, rtol=1e-4)
+    a8 = forward_logits(KernelSpec("w8a8", isa), tokens)
+    assert np.abs(a8 - xla).max() < 0.05 * np.abs(xla).max()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "w8a8"])
+def test_a_request_is_bit_identical_alone_or_among_others_with_kernels(kernels):
+    config, params = int8_model()
+    spec = dispatch.resolve(kernels, config.dtype)
+    engine = Engine(build_model(config, spec), params, slots=4, max_len=128, prefill_buckets=(16,))
+    runner = InferenceRunner(engine).start(warmup=False)
+    try:
+        greedy = Request([5, 17, 33, 2, 64, 9, 11], 16)
+        seeded = Request([7, 1, 150], 16, SamplingParams(temperature=0.9, seed=11))
+        alone = [[t.id for t in runner.generate(r)] for r in (greedy, seeded)]
+        rng = np.random.default_rng(1)
+        noise = [Request(rng.integers(0, 200, 1 + 3 * i).tolist(), 12) for i in range(3)]
+        streams = [runner.submit(r) for r in (noise[0], greedy, noise[1], seeded, noise[2])]
+        together = [[e.token.id for e in s if e.token is not None] for s in streams]
+    finally:
+        runner.stop()
+    assert [together[1], together[3]] == alone
+
+
+# ------------------------------------------------------------------ SmolLM2 with the kernels
+
+
+def test_smollm2_int8_kernels_perplexity_within_1_percent_of_float32_and_greedy_agreement(smollm2, golden):
+    from test_weights import TEXT
+
+    from hkserve.cli.eval_ppl import perplexity
+
+    store, info, tokenizer, params_f32 = smollm2
+    ids = tokenizer.encode(TEXT)
+    ppl_f32, n = perplexity(info.config, params_f32, ids, 256)
+    config = store.config(info.name, "int8")
+    params = store.params(info.name, weights="int8")
+    spec = dispatch.resolve("auto", config.dtype)
+    ppl, _ = perplexity(config, params, ids, 256, spec)
+    print(f"\nint8 + {spec.describe()}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} over {n} tokens")
+    assert abs(ppl / ppl_f32 - 1) < 0.01  # w8a8 measured +3.1% here: why auto is the weight-only kernel
+
+    runner = InferenceRunner(Engine(build_model(config, spec), params, slots=4, max_len=128)).start(warmup=False)
+    try:
+        matched, total = 0, 0
+        for c in golden["cases"]:
+            got = [t.id for t in runner.generate(Request(c["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))]
+            same = next((i for i, (a, b) in enumerate(zip(got, c["greedy_ids"])) if a != b), min(len(got), 32))
+            print(f"int8 kernels {c['name']}: first {same} of {len(c['greedy_ids'])} greedy tokens equal float32's")
+            matched, total = matched + same, total + len(c["greedy_ids"])
+    finally:
+        runner.stop()
+    print(f"int8 kernels: {matched} of {total} greedy tokens before the first difference")
+    assert matched >= total // 4  # as for int8 on XLA (test_weights.py): agreement for a while, not equality
