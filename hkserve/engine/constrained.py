@@ -61,10 +61,27 @@ class _SpecialAware:
         self.tokens = [
             tokenizer.token_text(i).encode() if i in special else tokenizer.token_bytes(i) for i in range(size)
         ] + [b""] * (vocab_size - size)
-        self._tokenizer = tokenizer
+        self._ids: dict[bytes, int] = {}  # bytes -> the first plain token that spells them
+        for i in range(size):
+            if i not in special and self.tokens[i]:
+                self._ids.setdefault(self.tokens[i], i)
+        self._longest = max(map(len, self._ids), default=1)
 
-    def __call__(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_bos=False)
+    def __call__(self, text: str | bytes) -> list[int]:
+        """A tokenization of exactly `text`, longest match first. Not SentencePiece's own: its
+        normalizer adds a leading space and folds whitespace, and llguidance needs the exact bytes."""
+        data = text.encode() if isinstance(text, str) else text
+        ids, at = [], 0
+        while at < len(data):
+            for n in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._ids.get(data[at : at + n])
+                if token is not None:
+                    ids.append(token)
+                    at += n
+                    break
+            else:
+                at += 1  # a byte no token spells (a model without byte fallback): left out
+        return ids
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llg.LLTokenizer:
@@ -149,14 +166,15 @@ class Advance(NamedTuple):
 class SlotGrammars:
     """The runner's table of constrained slots (slot → matcher), and the bitmasks of a step.
 
-    Only the runner's loop thread calls it. `observe` (if set) receives each mask fill's seconds."""
+    Only the runner's loop thread calls it. `observe` (if set) receives each mask fill's seconds and
+    rows (constrained slots filled)."""
 
     def __init__(self, slots: int, vocab_size: int):
         self.slots, self.vocab_size = slots, vocab_size
         self._matchers: dict[int, llg.LLMatcher] = {}
         self._bitmask = full_bitmask(slots, vocab_size)  # [B, W] reused each step
         self._executor: llg.LLExecutor | None = None
-        self.observe: Callable[[float], None] | None = None
+        self.observe: Callable[[float, int], None] | None = None
 
     def bind(self, slot: int, grammar: Grammar) -> np.ndarray:
         """Start the slot's matcher → the bitmask [1, W] of its first token (sampled by the prefill)."""
@@ -167,7 +185,7 @@ class SlotGrammars:
         row = full_bitmask(1, self.vocab_size)
         started = time.perf_counter()
         fill_next_token_bitmask(matcher, row, 0)
-        self._timed(started)
+        self._timed(started, 1)
         return row
 
     def release(self, slot: int) -> None:
@@ -196,9 +214,9 @@ class SlotGrammars:
             if self._executor is None:
                 self._executor = llg.LLExecutor()
             fill_next_token_bitmask_par(self._executor, [(m, slot) for slot, m in pairs], self._bitmask)
-        self._timed(started)
+        self._timed(started, len(pairs))
         return self._bitmask.copy()
 
-    def _timed(self, started: float) -> None:
+    def _timed(self, started: float, rows: int) -> None:
         if self.observe is not None:
-            self.observe(time.perf_counter() - started)
+            self.observe(time.perf_counter() - started, rows)
