@@ -48,7 +48,7 @@ def full_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, bitmask_words(vocab_size)), -1, np.int32)
 
 
-class _SpecialAware:
+class _SentencePieceView:
     """What llguidance's TokenizerWrapper reads from a tokenizer that is not a `tokenizers` one (the
     SentencePiece kind): every id's bytes, its special ids, and an encoder."""
 
@@ -90,7 +90,7 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llg.LLTokenizer:
     eos = list(tokenizer.stop_ids) or None
     if tokenizer.kind == "hf":
         return llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-    wrapper = llg.TokenizerWrapper(_SpecialAware(tokenizer, vocab_size))
+    wrapper = llg.TokenizerWrapper(_SentencePieceView(tokenizer, vocab_size))
     return llg.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
 
 
