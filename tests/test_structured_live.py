@@ -60,7 +60,7 @@ def live(smollm2):
     engine = Engine(build_model(info.config), params, slots=16, max_len=640, prefill_buckets=(64, 512))
     runner = InferenceRunner(engine, max_queue=256).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
     yield server, client
     server.stop()
     runner.stop()
@@ -182,22 +182,25 @@ def _call(client, tool_choice, seed, stream=False):
     )
 
 
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
-)
-def test_enforced_tool_calls_validate_and_stream_reassembles(live, tool_choice):
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.timeout(1800)
+def test_enforced_tool_calls_validate_and_stream_reassembles(live):
+    """ "required" and a named function, whole and streamed, 2 seeds each: all in one batch."""
     _, client = live
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    with ThreadPoolExecutor(8) as pool:  # one batch: whole and streamed replies of 4 seeds
-        whole = pool.map(lambda s: _call(client, tool_choice, s), range(4))
-        streamed = pool.map(lambda s: list(_call(client, tool_choice, s, stream=True)), range(4))
+    cases = [(choice, seed) for choice in ("required", NAMED) for seed in range(2)]
+    with ThreadPoolExecutor(2 * len(cases)) as pool:
+        whole = pool.map(lambda c: _call(client, *c), cases)
+        streamed = pool.map(lambda c: list(_call(client, *c, stream=True)), cases)
         whole, streamed = list(whole), list(streamed)
-    for reply, chunks in zip(whole, streamed):
+    for (tool_choice, _), reply, chunks in zip(cases, whole, streamed):
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
         validate(reply.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
         for call in choice.message.tool_calls:
-            if isinstance(tool_choice, dict):
+            if tool_choice == NAMED:
                 assert call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         # the stream's pieces, reassembled: id, type and name first, then argument fragments

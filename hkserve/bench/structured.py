@@ -121,7 +121,7 @@ def run(args) -> int:
                     requests = _requests(prompt, slots, args.tokens, grammar if constrained else None)
                     tokens, seconds = _run(runner, requests)
                     rates[name].setdefault(str(slots), []).append(tokens / seconds)
-                    per_token += [s / rows * 1e6 for s, rows in fills]
+                    per_token += [s / rows * 1e6 for s, rows in fills if rows]
                     _log(f"{slots} slots, {name}: {tokens / seconds:.1f} tok/s")
         finally:
             runner.stop()
