@@ -149,12 +149,12 @@ def tiny_runner():
 
 
 def _run(runner, requests):
+    """Submit, drive the loop in this thread until idle → (token ids, finish reason) per request."""
     streams = [runner.submit(r) for r in requests]
     while runner.iterate():
         pass
-    return [[e.token.id for e in s._sync.queue if e.token] for s in streams], [
-        next(e.finish_reason for e in list(s._sync.queue) if e.finish_reason) for s in streams
-    ]
+    events = [list(s) for s in streams]  # all queued already: iteration ends at each final event
+    return [[e.token.id for e in evs if e.token] for evs in events], [evs[-1].finish_reason for evs in events]
 
 
 def test_runner_split_step_keeps_unconstrained_rows_bit_identical(tiny_runner):
