@@ -105,7 +105,9 @@ def run(args) -> int:
     rates: dict[str, dict[str, list[float]]] = {"unconstrained": {}, "constrained": {}}
     per_token: list[float] = []
     for slots in args.slots:
-        engine = Engine(build_model(config), params, slots=slots, max_len=args.max_len, prefill_buckets=(64,))
+        engine = Engine(
+            build_model(config), params, slots=slots, max_len=args.max_len, prefill_buckets=(64,), structured=True
+        )
         runner = InferenceRunner(engine, max_queue=2 * slots)
         _log(f"{slots} slots: compiling")
         runner.start(warmup=True)

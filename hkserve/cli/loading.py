@@ -40,6 +40,7 @@ def load_engine(args, slots: int, hosts=None):
         max_len=args.max_len,
         mesh=mesh,
         n_top=getattr(args, "max_logprobs", 5),
+        structured=True,  # structured outputs and tool calls: their split step compiles in warmup
     )
 
 

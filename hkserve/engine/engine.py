@@ -94,9 +94,10 @@ class Engine:
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         n_top: int = 5,
         mesh: Mesh | None = None,
-        structured: bool = True,
+        structured: bool = False,
     ):
-        """`structured`: compile the split step of grammar-constrained batches in warmup."""
+        """`structured`: also compile the split step of grammar-constrained batches in warmup (servers
+        do; else its programs compile on the first constrained step)."""
         config = model.config
         self.structured = structured
         self._all_allowed = np.full((1, (config.vocab_size + 31) // 32), -1, np.int32)  # [1, W]: no grammar
