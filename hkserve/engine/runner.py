@@ -352,11 +352,13 @@ class InferenceRunner:
             stream.admitted_at = time.monotonic()
             scores = None
             try:
+                # a constrained request's first token is sampled under its grammar's first mask
                 mask = self.grammars.bind(slot, request.grammar) if request.grammar and request.max_tokens else None
+                masked = {} if mask is None else {"bitmask": mask}
                 if request.prompt_logprobs is None:
-                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, mask)
+                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **masked)
                 else:
-                    pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, mask)
+                    pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **masked)
             except Exception as e:  # this request only: its slot stays free, the others go on
                 if not isinstance(e, ValueError):
                     log.exception("prefill of request %s failed", request.id)
