@@ -161,8 +161,14 @@ def render_messages(messages: list[dict], tools: Tools | None, template_has_tool
     return out, None
 
 
+def _function(call: dict) -> dict:
+    """A past call's function, {} when a client sent something else (the template then shows less)."""
+    fn = call.get("function")
+    return fn if isinstance(fn, dict) else {}
+
+
 def _call_text(call: dict) -> str:
-    fn = call.get("function") or {}
+    fn = _function(call)
     args = fn.get("arguments")
     if not isinstance(args, str):
         args = json.dumps(args if args is not None else {})
@@ -175,7 +181,7 @@ def _with_parsed_arguments(message: dict) -> dict:
         return message
     calls = []
     for c in message["tool_calls"]:
-        fn = dict(c.get("function") or {})
+        fn = dict(_function(c))
         try:
             fn["arguments"] = json.loads(fn.get("arguments") or "{}")
         except (TypeError, json.JSONDecodeError):
