@@ -32,3 +32,39 @@ def test_a_batched_prefill_and_a_step_are_replayed_identically_by_a_follower():
     assert follower_engine.calls == leader_engine.calls
     assert [t.id for t in first] == [7, 8]
     assert channel.sent[0]["settings"][0]["temperature"] == 0.5 and channel.sent[0]["settings"][0]["seed"] == 3
+
+
+class MaskRecorder:
+    """An engine stand-in that records the grammar-constrained calls and their masks."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def prefill(self, slot, prompt_ids, settings, bitmask=None):
+        self.calls.append(
+            ("prefill", slot, list(prompt_ids), None if bitmask is None else np.asarray(bitmask).tolist())
+        )
+
+    def score_prefill(self, slot, prompt_ids, settings, bitmask=None):
+        self.calls.append(("score", slot, list(prompt_ids), None if bitmask is None else np.asarray(bitmask).tolist()))
+
+    def step_forward(self, active):
+        self.calls.append(("forward", np.asarray(active).tolist()))
+        return len(self.calls)  # stands for the pending logits
+
+    def step_sample(self, forward, bitmask):
+        self.calls.append(("sample", forward, np.asarray(bitmask).tolist()))
+
+
+def test_grammar_masks_reach_a_follower_with_the_prefill_and_the_split_step():
+    leader_engine, follower_engine, channel = MaskRecorder(), MaskRecorder(), RecordingLeader()
+    engine = LeaderEngine(leader_engine, channel)
+    first = np.asarray([[-1, 5]], np.int32)  # [1, W]: a prefill's first mask
+    masks = np.asarray([[-(2**31), 7], [0, -1]], np.int32)  # [B, W], extreme int32 values included
+    engine.prefill(1, [4, 5], SamplingParams(), bitmask=first)
+    engine.score_prefill(0, [6], None)
+    engine.step_sample(engine.step_forward(np.asarray([True, True])), masks)
+    assert [m["op"] for m in channel.sent] == ["prefill", "score_prefill", "step_forward", "step_sample"]
+    assert follow(follower_engine, iter(channel.sent + [{"op": "exit"}])) == 0
+    assert follower_engine.calls == leader_engine.calls
+    assert follower_engine.calls[-1] == ("sample", 3, masks.tolist())

@@ -26,7 +26,26 @@ def test_golden_cases_as_jsonl_reproduce_the_reference_texts(tmp_path, smollm2_h
         {"id": c["name"], **({"messages": c["messages"]} if "messages" in c else {"prompt": c["prompt"]})}
         for c in golden["cases"]
     ]
-    write_jsonl(tmp_path / "in.jsonl", rows)
+    # and two lines whose output a grammar constrains: a JSON schema, a required tool call
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    add = {"type": "function", "function": {"name": "add", "parameters": {**schema, "required": []}}}
+    extra = [
+        {
+            "id": "json",
+            "messages": [{"role": "user", "content": "A number?"}],
+            "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        },
+        {
+            "id": "tool",
+            "messages": [{"role": "user", "content": "Add 2."}],
+            "max_tokens": 40,
+            "tools": [add],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        },
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows + extra)
     hkserve(
         "sample",
         "--input",
@@ -43,6 +62,10 @@ def test_golden_cases_as_jsonl_reproduce_the_reference_texts(tmp_path, smollm2_h
         home=smollm2_home,
     )
     out = read_jsonl(tmp_path / "out.jsonl")
+    json_line, tool_line, out = out[-2], out[-1], out[:-2]
+    assert json_line["finish_reason"] == "stop" and isinstance(json.loads(json_line["text"])["n"], int)
+    assert tool_line["finish_reason"] == "tool_calls" and tool_line["tool_calls"][0]["function"]["name"] == "add"
+    assert isinstance(json.loads(tool_line["tool_calls"][0]["function"]["arguments"]), dict)
     assert [o["id"] for o in out] == [c["name"] for c in golden["cases"]]
     for o, c in zip(out, golden["cases"]):
         assert o["text"] == c["text"], c["name"]

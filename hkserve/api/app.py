@@ -39,7 +39,10 @@ from hkserve.api.protocol import (
     parse_body,
     validation_error,
 )
+from hkserve.api.structured import FieldError, output_spec
+from hkserve.api.tools import Tools, parse_tools, render_messages
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.engine.constrained import Grammar, GrammarCompiler, GrammarError, GrammarSpec
 from hkserve.engine.engine import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
@@ -71,6 +74,10 @@ def create_app(
     created = int(time.time())
     metrics = Metrics(runner.stats)
     app.state.metrics = metrics
+    engine = getattr(runner, "engine", None)  # a fake runner (tests) has none: the tokenizer's vocabulary
+    compiler = GrammarCompiler(tokenizer, engine.model.config.vocab_size if engine else tokenizer.vocab_size)
+    if hasattr(runner, "grammars"):
+        runner.grammars.observe = lambda seconds, _rows: metrics.mask_time.observe(seconds)
 
     # -- errors -----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -151,9 +158,9 @@ def create_app(
             )
         return tokenizer.encode(text, add_bos=add_bos)
 
-    def _encode_chat(messages: list[dict]) -> list[int]:
+    def _encode_chat(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            text = tokenizer.render_chat(messages)
+            text = tokenizer.render_chat(messages, tools=tools)
         except ValueError as e:  # the template refused these messages
             raise APIError(400, str(e), param="messages") from None
         return _encode(text, "messages", add_bos=False)  # the template writes any BOS itself
@@ -252,6 +259,26 @@ def create_app(
             raise domain_error(e) from e
         return sampling
 
+    def _compile(spec: GrammarSpec | None, param: str) -> Grammar | None:
+        """The request's grammar compiled (on a CPU thread); one llguidance refuses is a 400 naming why."""
+        if spec is None:
+            return None
+        try:
+            return compiler.compile(spec)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def _structure(body: SamplingFields, tools: Tools | None = None) -> tuple[GrammarSpec | None, str]:
+        """What the output must match (response_format, structured_outputs or tools) and its field."""
+        try:
+            spec = output_spec(body.response_format, body.structured_outputs)
+        except FieldError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        tool_grammar = tools.grammar() if tools is not None else None
+        if spec is not None and tool_grammar is not None:
+            raise APIError(400, "a request constrained by tools cannot also set a response format", param="tools")
+        return (spec, "response_format") if spec is not None else (tool_grammar, "tools")
+
     async def _run(request: Request, gen: Generation, stream: bool, render_chunk, render_final):
         if stream:
             return StreamingResponse(
@@ -302,9 +329,11 @@ def create_app(
         _check_choices(len(body.prompts()), body.n)
         prompts = await _off_loop(_prompt_ids, body.prompts())
         max_tokens = _token_limits(prompts, body.max_tokens, COMPLETION_MAX_TOKENS)
+        grammar = await _off_loop(_compile, *_structure(body))
         gen = Generation(runner, tokenizer, metrics, "completion", limits.max_stream_backlog)
         logprobs = body.logprobs or 0
-        gen.submit(prompts, body.n, max_tokens, sampling, body.stop, logprobs, body.ignore_eos, body.prompt_scoring())
+        scoring = body.prompt_scoring()
+        gen.submit(prompts, body.n, max_tokens, sampling, body.stop, logprobs, body.ignore_eos, scoring, grammar)
         echo = [tokenizer.decode(p) for p in prompts] if body.echo else None
         fmt = formats.CompletionFormat(tokenizer, model_name, body, echo)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
@@ -315,12 +344,18 @@ def create_app(
         sampling = _sampling(body)
         _check_model(body.model)
         _check_choices(1, body.n)
-        prompt = await _off_loop(_encode_chat, body.template_messages())
+        try:
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except FieldError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        messages, tool_defs = render_messages(body.template_messages(), tools, tokenizer.template_takes_tools)
+        prompt = await _off_loop(_encode_chat, messages, tool_defs)
         max_tokens = _token_limits([prompt], body.token_limit, None)
+        grammar = await _off_loop(_compile, *_structure(body, tools))
         gen = Generation(runner, tokenizer, metrics, "chat", limits.max_stream_backlog)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        gen.submit([prompt], body.n, max_tokens, sampling, body.stop, top, body.ignore_eos)
-        fmt = formats.ChatFormat(tokenizer, model_name, body)
+        gen.submit([prompt], body.n, max_tokens, sampling, body.stop, top, body.ignore_eos, None, grammar)
+        fmt = formats.ChatFormat(tokenizer, model_name, body, tools)
         return await _run(request, gen, body.stream, fmt.chunks, fmt.final)
 
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hkserve.api.generation import Generation, Update
+from hkserve.api.tools import ToolCallParser, Tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.engine import ScoredToken, Token
 
@@ -139,6 +140,18 @@ class ChatFormat(_Format):
     object_final = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, tokenizer: Tokenizer, model: str, body, tools: Tools | None = None):
+        super().__init__(tokenizer, model, body)
+        self.tools = tools if tools is not None and tools.active else None
+        self.parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+
+    def _parser(self) -> ToolCallParser:
+        return ToolCallParser(text_content=self.tools.choice == "auto")
+
+    @staticmethod
+    def _reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+
     def _entry(self, token_id: int, logprob: float, top: list) -> dict:
         def one(i: int, lp: float) -> dict:
             raw = self.tokenizer.token_bytes(i)
@@ -172,22 +185,37 @@ class ChatFormat(_Format):
 
     def _chunk_choice(self, u: Update) -> dict | None:
         logprobs = self._logprobs(u.logprobs) if u.logprobs else None
-        if not u.text and u.finish_reason is None and logprobs is None:
+        text, calls, parser = u.text, [], None
+        if self.tools is not None:
+            parser = self.parsers.setdefault(u.choice.index, self._parser())
+            text, pieces = parser.feed(u.text, final=u.finish_reason is not None)
+            calls = [p.openai() for p in pieces]
+        if not text and not calls and u.finish_reason is None and logprobs is None:
             return None
-        delta = {"content": u.text} if u.text else {}
-        return {"index": u.choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": u.finish_reason}
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        reason = self._reason(u.finish_reason, parser)
+        return {"index": u.choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def final(self, gen: Generation, per_choice: list[list[Update]]) -> dict:
         choices = []
         for c, updates in zip(gen.choices, per_choice):
-            message = {"role": "assistant", "content": "".join(u.text for u in updates), "refusal": None}
+            text, parser = "".join(u.text for u in updates), None
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if self.tools is not None:
+                parser = self._parser()
+                text, _ = parser.feed(text, final=True)
+                message["content"] = text if text.strip() or not parser.calls else None
+                if parser.calls:
+                    message["tool_calls"] = parser.calls
             entries = [e for u in updates for e in u.logprobs]
             choices.append(
                 {
                     "index": c.index,
                     "message": message,
                     "logprobs": self._logprobs(entries),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": self._reason(c.finish_reason, parser),
                 }
             )
         return {**self._envelope(gen, self.object_final, choices), "usage": gen.usage()}

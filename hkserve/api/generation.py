@@ -14,6 +14,7 @@ from hkserve.api.metrics import Metrics
 from hkserve.api.protocol import APIError, domain_error
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.completion import Completion, GenerationFailed, usage
+from hkserve.engine.constrained import Grammar
 from hkserve.engine.engine import ScoredToken, Token
 from hkserve.engine.runner import Event, Overloaded, Request
 from hkserve.model.sampling import SamplingParams
@@ -69,9 +70,11 @@ class Generation:
         logprobs: int,
         ignore_eos: bool = False,
         prompt_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         """Choice i of the request samples with seed `sampling.seed + i`; each scores its prompt, with
-        `prompt_logprobs` top alternatives per token, unless that is None."""
+        `prompt_logprobs` top alternatives per token, unless that is None; each output matches `grammar`
+        when one is given."""
         loop = asyncio.get_running_loop()
         stop_ids = () if ignore_eos else self.tokenizer.stop_ids
         try:
@@ -79,7 +82,9 @@ class Generation:
                 for j in range(n):
                     index = p * n + j
                     seeded = replace(sampling, seed=(sampling.seed + index) % 2**32)
-                    request = Request(list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs, prompt_logprobs)
+                    request = Request(
+                        list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs, prompt_logprobs, grammar
+                    )
                     stream = self.runner.submit(request, loop)
                     completion = Completion(stream, self.tokenizer, self.runner.cancel, stop)
                     self.choices.append(Choice(index, completion))
@@ -88,6 +93,8 @@ class Generation:
             raise domain_error(e) from e
         self.prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, whatever n is
         self.metrics.prompt_tokens.inc(self.prompt_tokens * n)
+        if grammar is not None:
+            self.metrics.constrained_requests.inc(len(self.choices))
 
     def cancel(self) -> None:
         for c in self.choices:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -38,6 +39,15 @@ class Metrics:
         )
         self.prompt_tokens = Counter("hkserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("hkserve_generation_tokens", "Tokens generated", registry=r)
+        self.constrained_requests = Counter(
+            "hkserve_constrained_requests", "Requests (choices) whose output a grammar constrains", registry=r
+        )
+        self.mask_time = Histogram(
+            "hkserve_grammar_mask_seconds",
+            "Host time to fill the token bitmasks of one step (all constrained slots) or of a first token",
+            buckets=MASK_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("hkserve_requests", "Finished requests (one per choice)", ["finish_reason"], registry=r)
         running = Gauge("hkserve_requests_running", "Requests holding a slot", registry=r)
         waiting = Gauge("hkserve_requests_waiting", "Requests in the admission queue", registry=r)

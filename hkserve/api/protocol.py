@@ -1,14 +1,14 @@
 """OpenAI-compatible request models and the OpenAI error body.
 
 Unknown fields are accepted and ignored (clients send extras), except those that would change what
-the client gets back (tools, structured output): those are refused rather than silently dropped.
+the client gets back (the legacy `functions`): those are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
@@ -72,6 +72,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-sequence
+    # What the output must match: checked by hkserve/api/structured.py, compiled by engine/constrained.py
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM's: {json | regex | choice | grammar}
 
     @field_validator("stop")
     @classmethod
@@ -87,12 +90,9 @@ class SamplingFields(BaseModel):
     def _checks(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for name in ("tools", "functions", "tool_choice"):
+        for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
             if getattr(self, name, None):
-                raise ValueError(f"{name} is not supported by this server")
-        fmt = getattr(self, "response_format", None)
-        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
+                raise ValueError(f"{name} is not supported by this server (use tools)")
         return self
 
     def sampling(self, seed: int) -> SamplingParams:
@@ -147,6 +147,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -159,6 +161,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: Any = None  # checked by hkserve/api/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self):
@@ -167,8 +172,17 @@ class ChatRequest(SamplingFields):
         return self
 
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template sees them (developer is a system message)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """Messages as the chat template sees them (developer is a system message), with any past tool
+        calls and tool results (tools.render_messages turns them into what the template takes)."""
+        out = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
 
     @property
     def token_limit(self) -> int | None:

@@ -122,13 +122,22 @@ class Tokenizer:
         return self.backend.id_to_piece(int(token_id))
 
     # -- chat -----------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` variable (else the server writes its own tool prompt)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template")
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
                 eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
             )

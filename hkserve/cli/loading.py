@@ -43,6 +43,7 @@ def load_engine(args, slots: int, hosts=None):
         mesh=mesh,
         n_top=getattr(args, "max_logprobs", 5),
         prefill_rows=getattr(args, "prefill_rows", 4),
+        structured=True,  # structured outputs and tool calls: their split step compiles in warmup
     )
 
 

@@ -1,9 +1,11 @@
 """`hkserve sample`: completions for a JSONL file of prompts, every slot kept busy.
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optionally with their own
-max_tokens / stop / ignore_eos and any field of SamplingParams (temperature, top_p, top_k, min_p, seed,
-penalties, logit_bias). Output lines, one per input
-line and in input order: {"id", "text", "finish_reason", "usage"} or {"id", "error"}.
+max_tokens / stop / ignore_eos, any field of SamplingParams (temperature, top_p, top_k, min_p, seed,
+penalties, logit_bias), and what the output must match as in the HTTP API: response_format,
+structured_outputs, or (with messages) tools / tool_choice / parallel_tool_calls. Output lines, one per
+input line and in input order: {"id", "text", "finish_reason", "usage"} (plus "tool_calls" when the
+line has tools and the model called them) or {"id", "error"}.
 
 Resumable: results are written strictly in input order, one whole line per write, so after a kill the
 output is a prefix of the final file; a re-run drops a torn last line and continues after the lines
@@ -25,8 +27,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hkserve.api.structured import output_spec
+from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
 from hkserve.cli.loading import load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
+from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.engine import check_context
 from hkserve.engine.runner import Overloaded, Request
 from hkserve.kernels.dispatch import add_kernels_argument
@@ -96,8 +101,9 @@ def resume_point(path: Path, ids: list) -> int:
 class Job:
     """One input line: its request, or why it cannot run."""
 
-    def __init__(self, index: int, raw: str, args, tokenizer, max_len: int):
+    def __init__(self, index: int, raw: str, args, tokenizer, max_len: int, compiler=None):
         self.index, self.error, self.request, self.stop = index, None, None, []
+        self.compiler, self.tools = compiler, None
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -114,7 +120,10 @@ class Job:
         if not isinstance(record, dict):
             raise ValueError("each line must be a JSON object")
         if isinstance(record.get("messages"), list):
-            prompt_ids = tokenizer.encode_chat(record["messages"])
+            tools = parse_tools(record.get("tools"), record.get("tool_choice"), record.get("parallel_tool_calls"))
+            self.tools = tools if tools is not None and tools.active else None
+            messages, defs = render_messages(record["messages"], tools, tokenizer.template_takes_tools)
+            prompt_ids = tokenizer.encode(tokenizer.render_chat(messages, tools=defs), add_bos=False)
         elif isinstance(record.get("prompt"), str):
             prompt_ids = tokenizer.encode(record["prompt"])
         else:
@@ -126,7 +135,12 @@ class Job:
         stop = record.get("stop") or []
         self.stop = [stop] if isinstance(stop, str) else list(stop)
         stop_ids = () if record.get("ignore_eos") else tokenizer.stop_ids
-        self.request = Request(prompt_ids, max_tokens, sampling, stop_ids)
+        spec = output_spec(record.get("response_format"), record.get("structured_outputs"))
+        if spec is not None and self.tools is not None:
+            raise ValueError("a line constrained by tools cannot also set a response format")
+        spec = spec or (self.tools.grammar() if self.tools is not None else None)
+        grammar = self.compiler.compile(spec) if spec is not None else None
+        self.request = Request(prompt_ids, max_tokens, sampling, stop_ids, grammar=grammar)
 
 
 async def _complete(job: Job, runner, tokenizer) -> dict:
@@ -146,12 +160,14 @@ async def _complete(job: Job, runner, tokenizer) -> dict:
             pass
     except GenerationFailed as e:
         return {"id": job.id, "error": str(e)}
-    return {
-        "id": job.id,
-        "text": completion.text,
-        "finish_reason": completion.finish_reason,
-        "usage": completion.usage(),
-    }
+    result = {"id": job.id, "text": completion.text, "finish_reason": completion.finish_reason}
+    if job.tools is not None:
+        parser = ToolCallParser(text_content=job.tools.choice == "auto")
+        result["text"], _ = parser.feed(completion.text, final=True)
+        if parser.calls:
+            result["tool_calls"] = parser.calls
+            result["finish_reason"] = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
+    return {**result, "usage": completion.usage()}
 
 
 def input_lines(path: Path) -> list[str]:
@@ -161,7 +177,8 @@ def input_lines(path: Path) -> list[str]:
 async def sample_file(runner, tokenizer, max_len: int, args, lines: list[str], start: int) -> dict:
     """Run the input lines from `start` on (those before are in the output); returns counts and timing."""
     out_path = Path(args.output)
-    jobs = [Job(i, raw, args, tokenizer, max_len) for i, raw in enumerate(lines)]
+    compiler = GrammarCompiler(tokenizer, runner.engine.model.config.vocab_size)
+    jobs = [Job(i, raw, args, tokenizer, max_len, compiler) for i, raw in enumerate(lines)]
     todo = jobs[start:]
     window = asyncio.Semaphore(runner.engine.slots + runner.max_queue // 2)  # keep every slot busy, queue bounded
     results: dict[int, dict] = {}

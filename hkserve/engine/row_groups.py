@@ -18,7 +18,9 @@ class RowGroups:
         self._groups: dict[int, list] = {}  # bucket → [(slot, stream)], fewer than its rows
 
     def takes(self, request) -> bool:
-        return request.prompt_logprobs is None and self.engine.rows_program(len(request.prompt_ids)) is not None
+        """Unscored, unconstrained prompts that fit a rows program (a grammar's first mask is a one-row prefill)."""
+        plain = request.prompt_logprobs is None and request.grammar is None
+        return plain and self.engine.rows_program(len(request.prompt_ids)) is not None
 
     def add(self, slot: int, stream) -> list | None:
         """Queue a request that `takes`; its bucket's group when that is now full (and no longer queued)."""

@@ -21,6 +21,12 @@ Concurrency — who owns what:
 The loop runs one step behind the device: it dispatches step n, then reads step n-1's tokens (their
 host copy started when they were dispatched), so the device never waits for Python. A request that
 ends is noticed one step late; the extra token computed for it is discarded.
+
+Grammar-constrained requests (structured outputs, tool calls) need each token's mask before it is
+sampled, and the mask depends on the token before. A step with a constrained row is split: the loop
+dispatches the model half, then reads the previous tokens (and this pass's prefills) and advances the
+matchers while the device runs it, then dispatches the sampling half with the masks. Steps with no
+constrained row are unchanged (see constrained.py).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hkserve.engine.constrained import Grammar, SlotGrammars
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
 from hkserve.engine.handoff import mailbox_for
 from hkserve.engine.row_groups import RowGroups, RowOf
@@ -57,6 +64,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # finishing tokens (EOS and any stop token ids)
     logprobs: int = 0  # top alternatives wanted per token
     prompt_logprobs: int | None = None  # score the prompt, with this many top alternatives per token
+    grammar: Grammar | None = None  # the output must match it (structured outputs, tool calls)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     submitted_at: float = field(default_factory=time.monotonic)
 
@@ -146,6 +154,7 @@ class InferenceRunner:
         self._in_flight: list[_InFlight] = []  # the last pass's dispatched device work, read next pass
         self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
+        self.grammars = SlotGrammars(engine.slots, engine.model.config.vocab_size)  # constrained slots
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -258,17 +267,22 @@ class InferenceRunner:
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
         full = [i for i, s in enumerate(self._slots) if s is not None and s.length >= self.engine.max_len]
         active = np.asarray([s is not None and i not in full for i, s in enumerate(self._slots)])
+        forward = None
         if active.any():
             owners = [(int(i), self._slots[i].stream) for i in np.flatnonzero(active)]
-            dispatched.append(_InFlight(owners, self.engine.step(active), True))
+            if self.grammars.constrained(active):
+                forward = self.engine.step_forward(active)
+            else:
+                dispatched.append(_InFlight(owners, self.engine.step(active), True))
             for i, _ in owners:
                 self._slots[i] = self._slots[i]._replace(length=self._slots[i].length + 1)
         for flight in self._in_flight:  # the previous iteration's results
-            tokens = flight.pending.read()
-            for slot, stream in flight.owners:
-                if flight.scores is not None:
-                    self._emit_prompt(stream, flight.scores.read())
-                self._emit(slot, stream, tokens[slot] if flight.by_slot else tokens[0])
+            self._deliver(flight)
+        if forward is not None:  # the masks need every token so far, this pass's first tokens too
+            for flight in admitted:
+                self._deliver(flight)
+                dispatched.remove(flight)
+            dispatched.append(_InFlight(owners, self.engine.step_sample(forward, self.grammars.masks()), True))
         just_admitted = {slot for flight in admitted for slot, _ in flight.owners}
         for i in full:
             s = self._slots[i]
@@ -279,6 +293,13 @@ class InferenceRunner:
         self._publish_stats()
         return bool(self._in_flight)
 
+    def _deliver(self, flight: _InFlight) -> None:
+        tokens = flight.pending.read()
+        for slot, stream in flight.owners:
+            if flight.scores is not None:
+                self._emit_prompt(stream, flight.scores.read())
+            self._emit(slot, stream, tokens[slot] if flight.by_slot else tokens[0])
+
     def _publish_stats(self) -> None:
         with self._lock:
             waiting = len(self._waiting)
@@ -288,6 +309,7 @@ class InferenceRunner:
         self._close(stream, reason, error)
         if slot is not None:
             self._slots[slot] = None
+            self.grammars.release(slot)
 
     def _close(self, stream: RequestStream, reason: str, error: str | None) -> None:
         """Push the request's final event, unless it has one (any thread: see abort)."""
@@ -346,11 +368,15 @@ class InferenceRunner:
         request = stream.request
         scores = None
         try:
+            # a constrained request's first token is sampled under its grammar's first mask
+            mask = self.grammars.bind(slot, request.grammar) if request.grammar and request.max_tokens else None
+            masked = {} if mask is None else {"bitmask": mask}
             if request.prompt_logprobs is None:
-                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **masked)
             else:
-                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
+                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **masked)
         except Exception as e:  # this request only: its slot stays free, the others go on
+            self.grammars.release(slot)
             self._prefill_failed([stream], e)
             return []
         if request.max_tokens:
@@ -412,7 +438,11 @@ class InferenceRunner:
         self._slots[slot] = self._slots[slot]._replace(produced=produced)
         top = token.top[: request.logprobs]
         stream.push(Event(request.id, Token(token.id, token.logprob, top)))
-        if token.id in request.stop_ids:
+        step = self.grammars.advance(slot, token.id) if token.id not in request.stop_ids else None
+        if step is not None and not step.ok:  # the mask allowed it: a library fault, not the client's
+            log.error("request %s: the grammar refused its own token %d: %s", request.id, token.id, step.error)
+            self._finish(slot, stream, "error", "the grammar refused a token it allowed")
+        elif token.id in request.stop_ids or (step is not None and step.ended):
             self._finish(slot, stream, "stop")
         elif produced >= request.max_tokens:
             self._finish(slot, stream, "length")

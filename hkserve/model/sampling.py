@@ -208,19 +208,32 @@ def _filter(scaled: jax.Array, top_p, top_k, min_p) -> jax.Array:
     return jnp.where(keep, scaled, NEG_INF)
 
 
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens → -inf. logits [B, V]; bitmask [B, ceil(V/32)] int32, bit j of word w allows
+    token 32w + j (llguidance's layout)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]].astype(bool)
+    return jnp.where(allowed, logits, NEG_INF)
+
+
 def sample(
     logits: jax.Array,
     settings: SampleSettings,
     positions: jax.Array,
     n_top: int = 0,
     history: TokenHistory | None = None,
+    bitmask: jax.Array | None = None,
 ) -> SampleOutput:
-    """logits: [B, V] float32; positions: [B] position the sampled token will take (keys the RNG).
+    """logits: [B, V] float32; positions: [B] position the sampled token will take (keys the RNG);
+    bitmask: [B, ceil(V/32)] int32 allowed tokens (a grammar's), applied before everything else.
 
     Reported logprobs are those of the model (log_softmax of the raw logits); the token is drawn
-    after bias and penalties."""
+    after the mask, bias and penalties."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    logits = adjust_logits(logits.astype(jnp.float32), settings, history)
+    logits = logits.astype(jnp.float32)
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
+    logits = adjust_logits(logits, settings, history)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     sampling = settings.temperature > 0

@@ -11,6 +11,7 @@ there is no Python control flow on the followers that could diverge.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
@@ -120,19 +121,20 @@ class LeaderEngine:
     def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
         return getattr(self._engine, name)
 
-    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
-        settings = self._announce("prefill", slot, prompt_ids, settings)
-        return self._engine.prefill(slot, prompt_ids, settings)
+    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
+        settings = self._announce("prefill", slot, prompt_ids, settings, bitmask)
+        return self._engine.prefill(slot, prompt_ids, settings, **_masked(bitmask))
 
-    def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
-        settings = self._announce("score_prefill", slot, prompt_ids, settings)
-        return self._engine.score_prefill(slot, prompt_ids, settings)
+    def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
+        settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
+        return self._engine.score_prefill(slot, prompt_ids, settings, **_masked(bitmask))
 
-    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None) -> SamplingParams:
+    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, bitmask) -> SamplingParams:
         """Send a prefill call to the followers; returns the settings it carries."""
         settings = settings or SamplingParams()
         ids = [int(t) for t in prompt_ids]
-        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings)))
+        mask = None if bitmask is None else _pack_mask(bitmask)
+        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings), mask=mask))
         return settings
 
     def prefill_many(self, slots, prompts, settings):
@@ -146,6 +148,15 @@ class LeaderEngine:
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step", active=active.tolist()))
         return self._engine.step(active)
+
+    def step_forward(self, active):
+        active = np.asarray(active, bool)
+        self._leader.broadcast(_call("step_forward", active=active.tolist()))
+        return self._engine.step_forward(active)
+
+    def step_sample(self, forward, bitmask):
+        self._leader.broadcast(_call("step_sample", mask=_pack_mask(bitmask)))
+        return self._engine.step_sample(forward, bitmask)
 
     def reset(self) -> None:
         self._leader.broadcast(_call("reset"))
@@ -164,12 +175,36 @@ class LeaderEngine:
         self._leader.close()
 
 
+def _pack_mask(bitmask) -> dict:
+    """A grammar bitmask [B, W] int32 as JSON: its shape and its bytes in base64."""
+    bitmask = np.ascontiguousarray(bitmask, np.int32)
+    return {"shape": list(bitmask.shape), "data": base64.b64encode(bitmask.tobytes()).decode("ascii")}
+
+
+def _unpack_mask(mask: dict | None):
+    if mask is None:
+        return None
+    return np.frombuffer(base64.b64decode(mask["data"]), np.int32).reshape(mask["shape"])
+
+
+def _masked(bitmask) -> dict:
+    """The bitmask keyword, only for constrained calls (an engine call without one is unchanged)."""
+    return {} if bitmask is None else {"bitmask": bitmask}
+
+
 def follow(engine, follower: Follower) -> int:
     """Replay host 0's engine calls until it says exit (0). Host 0's loss ends the process from the
     channel's reader thread, since this thread may be inside a collective that never completes."""
+    forward = []  # the step_forward awaiting its step_sample (grammar-constrained steps)
+
+    def prefill(m, op):
+        return op(m["slot"], m["ids"], SamplingParams(**m["settings"]), **_masked(_unpack_mask(m.get("mask"))))
+
     calls = {
-        "prefill": lambda m: engine.prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
-        "score_prefill": lambda m: engine.score_prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
+        "prefill": lambda m: prefill(m, engine.prefill),
+        "score_prefill": lambda m: prefill(m, engine.score_prefill),
+        "step_forward": lambda m: forward.append(engine.step_forward(np.asarray(m["active"], bool))),
+        "step_sample": lambda m: engine.step_sample(forward.pop(), _unpack_mask(m["mask"])),
         "prefill_many": lambda m: engine.prefill_many(
             m["slots"], m["ids"], [SamplingParams(**s) for s in m["settings"]]
         ),
