@@ -73,7 +73,7 @@ class RowPrefill:
         )
         state = state._replace(memory=memory, history=history)
         logits, memory = engine.model.forward(params, tokens, state.memory, lengths, slots, 0, True)  # [P, V]
-        return engine._sample_first(state._replace(memory=memory), logits, slots, settings)
+        return engine._sample_first(state._replace(memory=memory), logits, slots, settings, None)  # no grammar
 
     def _fn(self):
         if self._compiled is None:
