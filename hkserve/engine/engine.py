@@ -20,6 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.prefix_cache import MODES, Reuse
+from hkserve.engine.prefix_copy import EXACT_CHUNK, copy_prefix, plan_chunks
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import KVMemory, init_memory, reset_slot
 from hkserve.model.model import Model
@@ -94,8 +96,16 @@ class Engine:
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         n_top: int = 5,
         mesh: Mesh | None = None,
+        prefix_cache: str = "off",
     ):
         config = model.config
+        if prefix_cache not in MODES:
+            raise ValueError(f"prefix cache mode must be one of {', '.join(MODES)}, got {prefix_cache!r}")
+        if prefix_cache != "off" and config.memory == "vq":
+            raise ValueError(
+                "prefix caching needs a per-position KV memory: a Transformer-VQ memory is a compressed state "
+                "that can be reused only at the exact position it was saved (use --prefix-cache off)"
+            )
         if config.vocab_size >= 2**24:
             raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
         max_len = min(max_len, config.context_length)
@@ -103,6 +113,8 @@ class Engine:
         check_slots(slots, self.mesh)
         self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
+        self.prefix_cache = prefix_cache  # "exact": every prefill in fixed chunks (prefix_copy.plan_chunks)
+        self.prefill_chunk = min(EXACT_CHUNK, max_len) if prefix_cache == "exact" else None
         # A VQ memory has no length axis: its step costs the same at any position, one window does.
         self.windows = (max_len,) if config.memory == "vq" else window_sizes(max_len, min(128, max_len))
 
@@ -202,6 +214,12 @@ class Engine:
                 fn = functools.partial(self._score_impl, attend_len)
                 in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep)
                 out_sh = (self.state_shardings, rep, rep)
+            elif kind == "copy":
+                fn = copy_prefix
+                in_sh = (self.state_shardings, rep, rep, rep, rep)
+                out_sh = self.state_shardings
+                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
+                return self._compiled[key]
             else:
                 # `active` and the sampled tokens are replicated: tiny, and every host can then
                 # pass and read them even when the slots' rows live on other hosts.
@@ -223,6 +241,16 @@ class Engine:
         chunk = self.prefill_buckets[-1]
         return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
 
+    def continuation_programs(self) -> list[tuple[int, int]]:
+        """(bucket, window) of every chunk that does not start a slot: a long prompt's later chunks, and
+        with prefix caching a suffix's chunks (any bucket, any window; exact: its one chunk shape)."""
+        if self.prefill_chunk:
+            chunk = self.prefill_chunk
+            return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
+        if self.prefix_cache == "on":
+            return [(b, w) for w in self.windows for b in self.prefill_buckets]
+        return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
+
     def _prefill_chunk(
         self, slot: int, piece: list[int], attend_len: int, bucket: int, row, following: list[int] | None = None
     ):
@@ -240,13 +268,17 @@ class Engine:
         self.state, out, scored = self._compiled_fn("score", attend_len)(*args, targets)
         return out, scored
 
-    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None) -> PendingTokens:
+    def prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None, reuse: Reuse | None = None
+    ) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
         (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
         prompt to the largest, so they need one program per window, not one per bucket and window.
+        With `reuse`, the prompt's first reuse.length tokens' KV is copied from slot reuse.source (the
+        runner's PrefixCache knows it holds them) and only the rest is prefilled.
         A prompt or settings the slot cannot take raise before any device work; a failure after it
         leaves the other slots as they were, or raises DecodeStateLost when it cannot."""
-        return self._prefill(slot, prompt_ids, settings, None)
+        return self._prefill(slot, prompt_ids, settings, None, reuse)
 
     def score_prefill(
         self, slot: int, prompt_ids: Sequence[int], settings: SamplingParams | None = None
@@ -258,18 +290,17 @@ class Engine:
         pending = self._prefill(slot, prompt_ids, settings, chunks)
         return pending, PendingScores(chunks)
 
-    def _prefill(self, slot, prompt_ids, settings, scores: list | None) -> PendingTokens:
+    def _prefill(self, slot, prompt_ids, settings, scores: list | None, reuse: Reuse | None = None) -> PendingTokens:
         """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
-        chunk = self.prefill_buckets[-1]
+        start = self._check_reuse(slot, len(prompt_ids), reuse)
+        plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
         try:
-            for start in range(0, len(prompt_ids), chunk):
-                piece = list(prompt_ids[start : start + chunk])
-                if start == 0:
-                    bucket, attend_len = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))], 0
-                else:
-                    bucket, attend_len = chunk, self._window(start)
+            if start:
+                self._copy_prefix(reuse.source, slot, prompt_ids[:start])
+            for start, end, bucket, attend_len in plan:
+                piece = list(prompt_ids[start:end])
                 if scores is None:
                     out = self._prefill_chunk(slot, piece, attend_len, bucket, row)
                 else:
@@ -286,6 +317,29 @@ class Engine:
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
 
+    def _check_reuse(self, slot: int, n: int, reuse: Reuse | None) -> int:
+        """Where the prefill starts: after the reused prefix, which must leave a token to prefill."""
+        if reuse is None or reuse.length == 0:
+            return 0
+        if self.prefix_cache == "off":
+            raise ValueError("prefix reuse asked of an engine made with prefix_cache='off'")
+        if not (0 < reuse.length < n and 0 <= reuse.source < self.slots and 0 <= slot < self.slots):
+            raise ValueError(f"cannot reuse {reuse} for a prompt of {n} tokens")
+        if reuse.length > self.positions[reuse.source]:
+            raise ValueError(f"slot {reuse.source} holds {self.positions[reuse.source]} tokens, not {reuse.length}")
+        if self.prefill_chunk and reuse.length % self.prefill_chunk:
+            raise ValueError(f"exact reuse is whole chunks of {self.prefill_chunk} tokens, not {reuse.length}")
+        return reuse.length
+
+    def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int]) -> None:
+        """Slot dest starts with slot source's KV of `prefix` (one program per window of rows)."""
+        window = self._window(len(prefix))
+        tokens = np.zeros((window,), np.int32)
+        tokens[: len(prefix)] = prefix
+        args = (tokens, np.asarray([source], np.int32), np.asarray([dest], np.int32), np.asarray([len(prefix)], np.int32))
+        self.state = self._compiled_fn("copy", window)(self.state, *args)
+        self.positions[dest] = len(prefix)
+
     def step(self, active: np.ndarray) -> PendingTokens:
         """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
         active = np.asarray(active, bool)
@@ -300,11 +354,15 @@ class Engine:
         """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
         each continuation window of long prompts, each decode window. len(buckets) + 2 × len(windows)
         programs at most, whatever the number of slots (the step is one program for all of them)."""
-        for bucket in self.prefill_buckets:
+        for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
             self.prefill(0, [0] * bucket)
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
-        for window in self.continuation_windows():  # one token each: compiles the program, writes little
-            self._prefill_chunk(0, [0], window, self.prefill_buckets[-1], row)
+        for bucket, window in self.continuation_programs():  # one token each: compiles, writes little
+            self._prefill_chunk(0, [0], window, bucket, row)
+        if self.prefix_cache != "off":
+            for window in self.windows:
+                self._copy_prefix(0, 0, [0] * window)
+            self.positions[0] = 0
         only_first = np.eye(self.slots, dtype=bool)[0]
         for w in self.windows:
             self.positions[0] = w - 1

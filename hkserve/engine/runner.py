@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
+from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.runner")
@@ -80,6 +81,7 @@ class RequestStream:
         self.request = request
         self.loop = loop
         self.admitted_at: float | None = None
+        self.cached_tokens: int | None = None  # prompt tokens whose KV was reused (None: not looked up)
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
         self.done = False  # set, under the runner's lock, once the final event is pushed
@@ -146,6 +148,9 @@ class InferenceRunner:
         self._in_flight: list[_InFlight] = []  # the last pass's dispatched device work, read next pass
         self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
+        # What each slot's memory holds, and where prompts go (mode "off": the first free slot).
+        mode, chunk = getattr(engine, "prefix_cache", "off"), getattr(engine, "prefill_chunk", None)
+        self.prefix = PrefixCache(engine.slots, mode, granule=chunk or 1)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -287,6 +292,8 @@ class InferenceRunner:
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)
         if slot is not None:
+            if self._slots[slot] is not None:
+                self.prefix.finished(slot, self._slots[slot].length)
             self._slots[slot] = None
 
     def _close(self, stream: RequestStream, reason: str, error: str | None) -> None:
@@ -324,27 +331,33 @@ class InferenceRunner:
                 if not self._waiting:
                     break
                 stream = self._waiting.popleft()
-            slot = free.pop(0)
             request = stream.request
-            spent += len(request.prompt_ids)
+            scoring = request.prompt_logprobs is not None  # scores every prompt token: reuses nothing
+            slot, reuse = self.prefix.place(request.prompt_ids, free, lookup=not scoring)
+            free.remove(slot)
+            spent += len(request.prompt_ids) - (reuse.length if reuse else 0)
             stream.admitted_at = time.monotonic()
             scores = None
             try:
-                if request.prompt_logprobs is None:
-                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling)
+                if not scoring:
+                    stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
+                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, reuse)
                 else:
                     pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
             except Exception as e:  # this request only: its slot stays free, the others go on
                 if not isinstance(e, ValueError):
                     log.exception("prefill of request %s failed", request.id)
+                self.prefix.forget(slot)
                 self._finish(None, stream, "error", f"the request could not be started: {e}")
                 if isinstance(e, DecodeStateLost):
                     raise  # every slot's state went with it: the loop fails the others and resets
                 continue
+            self.prefix.admitted(slot, request.prompt_ids)
             if request.max_tokens:
                 self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
             else:  # only the prompt's scores are wanted: the slot is free again at once
                 self._prompt_only.append(stream)
+                self.prefix.finished(slot, len(request.prompt_ids))
                 free.insert(0, slot)
             admitted.append(_InFlight([(slot, stream)], pending, False, scores))
         return admitted
@@ -365,6 +378,7 @@ class InferenceRunner:
             return  # finished (or cancelled) while this token was in flight: discard
         request = stream.request
         produced = self._slots[slot].produced + 1
+        self.prefix.delivered(slot, token.id)
         self._slots[slot] = self._slots[slot]._replace(produced=produced)
         top = token.top[: request.logprobs]
         stream.push(Event(request.id, Token(token.id, token.logprob, top)))
@@ -386,6 +400,7 @@ class InferenceRunner:
                 self._in_flight = []
                 if not self._stop.is_set():
                     self.engine.reset()
+                    self.prefix.clear()
         self.iterate()  # stopped: ends what is left (cancelled, or failed with the abort's error)
 
     def _fail_all(self, error: str | None) -> None:
