@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hkserve.cli.loading import load_runner
+from hkserve.cli.loading import add_prefix_cache_argument, load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.engine import check_context
 from hkserve.engine.runner import Overloaded, Request
@@ -50,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_prefix_cache_argument(p)
 
 
 def line_id(index: int, record):

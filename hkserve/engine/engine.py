@@ -336,7 +336,12 @@ class Engine:
         window = self._window(len(prefix))
         tokens = np.zeros((window,), np.int32)
         tokens[: len(prefix)] = prefix
-        args = (tokens, np.asarray([source], np.int32), np.asarray([dest], np.int32), np.asarray([len(prefix)], np.int32))
+        args = (
+            tokens,
+            np.asarray([source], np.int32),
+            np.asarray([dest], np.int32),
+            np.asarray([len(prefix)], np.int32),
+        )
         self.state = self._compiled_fn("copy", window)(self.state, *args)
         self.positions[dest] = len(prefix)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 MODES = ("on", "exact", "off")
+DEFAULT_MODE = "on"  # docs/benchmarks.md: what "exact" costs in TTFT
 DEFAULT_MIN_REUSE = 16  # shorter common prefixes are not worth a copy: the suffix prefill costs the same
 
 

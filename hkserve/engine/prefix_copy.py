@@ -63,7 +63,9 @@ def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, le
     zero = jnp.int32(0)
 
     def copy(cache):  # [L, B, S, Hkv, Dh]: the window's rows of source onto dest
-        rows = jax.lax.dynamic_slice(cache, (zero, source[0], zero, zero, zero), (cache.shape[0], 1, w, *cache.shape[3:]))
+        rows = jax.lax.dynamic_slice(
+            cache, (zero, source[0], zero, zero, zero), (cache.shape[0], 1, w, *cache.shape[3:])
+        )
         return jax.lax.dynamic_update_slice(cache, rows, (zero, dest[0], zero, zero, zero))
 
     memory = KVMemory(copy(memory.k), copy(memory.v), memory.step.at[dest].set(length))

@@ -22,6 +22,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from hkserve.engine.engine import ContextLengthError
+from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import parse_mesh
 from hkserve.multihost.control import Follower, Leader, load_secret
@@ -120,19 +121,21 @@ class LeaderEngine:
     def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
         return getattr(self._engine, name)
 
-    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
-        settings = self._announce("prefill", slot, prompt_ids, settings)
-        return self._engine.prefill(slot, prompt_ids, settings)
+    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse: Reuse | None = None):
+        """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows."""
+        reuse_args = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
+        settings = self._announce("prefill", slot, prompt_ids, settings, **reuse_args)
+        return self._engine.prefill(slot, prompt_ids, settings, reuse)
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings)
         return self._engine.score_prefill(slot, prompt_ids, settings)
 
-    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None) -> SamplingParams:
+    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, **extra) -> SamplingParams:
         """Send a prefill call to the followers; returns the settings it carries."""
         settings = settings or SamplingParams()
         ids = [int(t) for t in prompt_ids]
-        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings)))
+        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings), **extra))
         return settings
 
     def step(self, active):
@@ -161,7 +164,9 @@ def follow(engine, follower: Follower) -> int:
     """Replay host 0's engine calls until it says exit (0). Host 0's loss ends the process from the
     channel's reader thread, since this thread may be inside a collective that never completes."""
     calls = {
-        "prefill": lambda m: engine.prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
+        "prefill": lambda m: engine.prefill(
+            m["slot"], m["ids"], SamplingParams(**m["settings"]), Reuse(*m["reuse"]) if m.get("reuse") else None
+        ),
         "score_prefill": lambda m: engine.score_prefill(m["slot"], m["ids"], SamplingParams(**m["settings"])),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
         "reset": lambda m: engine.reset(),
