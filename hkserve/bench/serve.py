@@ -58,11 +58,12 @@ def _health(port: int) -> int | None:
 
 
 @contextlib.contextmanager
-def serving(model: str, slots: int, max_queue: int, ready_within: float = 900):
-    """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process)."""
+def serving(model: str, slots: int, max_queue: int, ready_within: float = 900, extra: tuple[str, ...] = ()):
+    """`hkserve serve` (with `extra` flags) in a separate process on a free port, once /health says ready:
+    yields (url, process)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--slots", str(slots), "--max-queue", str(max_queue)]
+    cmd += ["--slots", str(slots), "--max-queue", str(max_queue), *extra]
     print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:

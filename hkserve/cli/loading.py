@@ -27,7 +27,7 @@ def add_prefix_cache_argument(p) -> None:
         "--prefix-cache",
         choices=MODES,
         default=None,
-        help=f"reuse the KV of earlier prompts (docs/prefix-caching.md); default {DEFAULT_MODE}, off for Transformer-VQ",
+        help=f"reuse earlier prompts' KV (docs/prefix-caching.md); default {DEFAULT_MODE}, off for Transformer-VQ",
     )
 
 

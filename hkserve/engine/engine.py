@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.prefix_cache import MODES, Reuse
-from hkserve.engine.prefix_copy import EXACT_CHUNK, copy_prefix, plan_chunks
+from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import KVMemory, init_memory, reset_slot
 from hkserve.model.model import Model
@@ -294,7 +294,9 @@ class Engine:
         """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
-        start = self._check_reuse(slot, len(prompt_ids), reuse)
+        start = check_reuse(
+            reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
+        )
         plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
         try:
             if start:
@@ -316,20 +318,6 @@ class Engine:
             raise
         self.positions[slot] = len(prompt_ids)
         return PendingTokens(out)
-
-    def _check_reuse(self, slot: int, n: int, reuse: Reuse | None) -> int:
-        """Where the prefill starts: after the reused prefix, which must leave a token to prefill."""
-        if reuse is None or reuse.length == 0:
-            return 0
-        if self.prefix_cache == "off":
-            raise ValueError("prefix reuse asked of an engine made with prefix_cache='off'")
-        if not (0 < reuse.length < n and 0 <= reuse.source < self.slots and 0 <= slot < self.slots):
-            raise ValueError(f"cannot reuse {reuse} for a prompt of {n} tokens")
-        if reuse.length > self.positions[reuse.source]:
-            raise ValueError(f"slot {reuse.source} holds {self.positions[reuse.source]} tokens, not {reuse.length}")
-        if self.prefill_chunk and reuse.length % self.prefill_chunk:
-            raise ValueError(f"exact reuse is whole chunks of {self.prefill_chunk} tokens, not {reuse.length}")
-        return reuse.length
 
     def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int]) -> None:
         """Slot dest starts with slot source's KV of `prefix` (one program per window of rows)."""

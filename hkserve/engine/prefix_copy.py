@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.memory import KVMemory
 from hkserve.model.sampling import TokenHistory
 
@@ -52,6 +54,25 @@ def plan_chunks(
         else:
             chunks.append(Chunk(s, e, buckets[bisect.bisect_left(buckets, e - s)], window(s) if s else 0))
     return chunks
+
+
+def check_reuse(
+    reuse: Reuse | None, slot: int, n: int, slots: int, positions: np.ndarray, mode: str, chunk: int | None
+) -> int:
+    """Where a prefill of n prompt tokens into `slot` starts: after the reused prefix, which must leave a
+    token to prefill, lie within what the source slot holds (positions: each slot's length) and, in
+    fixed-chunk mode, end on a chunk boundary. Raises ValueError before any device work."""
+    if reuse is None or reuse.length == 0:
+        return 0
+    if mode == "off":
+        raise ValueError("prefix reuse asked of an engine made with prefix_cache='off'")
+    if not (0 < reuse.length < n and 0 <= reuse.source < slots and 0 <= slot < slots):
+        raise ValueError(f"cannot reuse {reuse} for a prompt of {n} tokens")
+    if reuse.length > positions[reuse.source]:
+        raise ValueError(f"slot {reuse.source} holds {positions[reuse.source]} tokens, not {reuse.length}")
+    if chunk and reuse.length % chunk:
+        raise ValueError(f"exact reuse is whole chunks of {chunk} tokens, not {reuse.length}")
+    return reuse.length
 
 
 def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, length: jax.Array):
