@@ -92,7 +92,8 @@ def test_chunk_plans():
 
 # -- the engine -----------------------------------------------------------------------------------------
 def engine(mode: str, slots: int = 3, max_len: int = 256) -> Engine:
-    return Engine(MODEL, PARAMS, slots=slots, max_len=max_len, prefill_buckets=(8, 16, 32), prefix_cache=mode)
+    # up to 128: an uncached prompt of 129..256 tokens is one 128 chunk and a short suffix a small one
+    return Engine(MODEL, PARAMS, slots=slots, max_len=max_len, prefill_buckets=(8, 32, 128), prefix_cache=mode)
 
 
 def run(e: Engine, slot: int, ids, reuse=None, n: int = 8, others=()) -> tuple[list[int], list[float]]:

@@ -95,9 +95,10 @@ class PrefixCache:
         self.hit += length
         return Placement(best if best in free else lru, Reuse(best, length))
 
-    def admitted(self, slot: int, prompt: list[int]) -> None:
-        """The prompt was prefilled into `slot` (every prefill starts a slot afresh)."""
-        self._records[slot] = _Record(list(prompt), len(prompt), len(prompt), next(self._clock))
+    def admitted(self, slot: int, prompt: list[int], exact: bool = True) -> None:
+        """The prompt was prefilled into `slot` (every prefill starts a slot afresh); not `exact` when
+        another program than the plain prefill computed its KV (a scoring prefill)."""
+        self._records[slot] = _Record(list(prompt), len(prompt), len(prompt) if exact else 0, next(self._clock))
 
     def delivered(self, slot: int, token: int) -> None:
         """A token generated in `slot`; its KV is written by the step that takes it as input."""

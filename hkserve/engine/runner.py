@@ -352,7 +352,7 @@ class InferenceRunner:
                 if isinstance(e, DecodeStateLost):
                     raise  # every slot's state went with it: the loop fails the others and resets
                 continue
-            self.prefix.admitted(slot, request.prompt_ids)
+            self.prefix.admitted(slot, request.prompt_ids, exact=not scoring)
             if request.max_tokens:
                 self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
             else:  # only the prompt's scores are wanted: the slot is free again at once
