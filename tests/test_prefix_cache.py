@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 import threading
+import types
 
 import jax
 import numpy as np
 import pytest
-from fake_engine import events, token_ids
+from fake_engine import FakeEngine, events, token_ids
 from helpers import tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
@@ -19,6 +20,7 @@ from hkserve.engine.prefix_copy import plan_chunks
 from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
+from hkserve.multihost.hosts import LeaderEngine, follow
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
@@ -57,6 +59,8 @@ def test_generated_tokens_count_once_written_and_exact_mode_reuses_whole_prefill
     exact.finished(0, 11)
     assert exact.usable(0, list(range(12))) == 8  # 10 prefill tokens, rounded down to whole chunks
     assert exact.usable(0, list(range(7)) + [0]) == 4
+    exact.admitted(1, list(range(10)), exact=False)  # a scoring prefill: another program computed the KV
+    assert exact.usable(1, list(range(12))) == 0
 
 
 def test_a_slot_reused_by_an_unrelated_prompt_no_longer_matches_its_old_content():
@@ -209,3 +213,13 @@ def test_runner_reports_cached_tokens_and_does_not_reuse_stale_content(on_engine
     while runner.iterate():
         pass
     assert stale.cached_tokens == 0 and token_ids(events(stale)) == token_ids(events(again))
+
+
+def test_host_0s_reuse_decision_reaches_the_other_hosts_with_the_prefill_call():
+    sent = []
+    leader = LeaderEngine(FakeEngine(slots=2), types.SimpleNamespace(broadcast=sent.append))
+    leader.prefill(0, [1, 2, 3], None)
+    leader.prefill(1, [1, 2, 3, 4], None, Reuse(0, 3))
+    follower = FakeEngine(slots=2)
+    assert follow(follower, [*sent, {"op": "exit"}]) == 0
+    assert [c[1:] for c in follower.calls if c[0] == "prefill"] == [(0, [1, 2, 3]), (1, [1, 2, 3, 4], Reuse(0, 3))]
