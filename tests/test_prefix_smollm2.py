@@ -4,6 +4,7 @@ and replies), and (slow) 16 concurrent requests sharing a 300-token system promp
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -80,8 +81,10 @@ def test_a_four_turn_chat_over_http_equals_the_uncached_replies_and_reports_cach
             assert text == m["content"] and cached is None
     finally:
         server.stop()
-    hits = float(metrics.split("hkserve_prefix_cache_hit_tokens_total ")[1].split()[0])
-    looked_up = float(metrics.split("hkserve_prefix_cache_lookup_tokens_total ")[1].split()[0])
+    hits, looked_up = (
+        float(re.search(rf"^hkserve_prefix_cache_{name}_tokens_total (\S+)$", metrics, re.M).group(1))
+        for name in ("hit", "lookup")
+    )
     assert looked_up == sum(n for _, n in uncached) and hits >= sum(n for _, n in uncached[:-1])
 
 

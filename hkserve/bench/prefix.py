@@ -83,8 +83,19 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--modes", default="on,off", help="comma list of --prefix-cache modes to compare")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--seed", type=int, default=0, help="varies the questions and prompts (fresh ones for a warm server)"
+    )
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--workloads", default="chat,unrelated,short", help="comma list of chat, unrelated, short")
+    p.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="MODE=URL",
+        help="drive an already running server of that mode instead of starting one (repeatable)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -208,42 +219,50 @@ def _median(runs: list[dict]) -> dict:
 
 def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    servers = {mode: _start(args.model, mode, args.slots, args.max_len) for mode in modes}
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    attached = dict(u.split("=", 1) for u in args.url)
+    servers = {
+        m: (attached[m], None) if m in attached else _start(args.model, m, args.slots, args.max_len) for m in modes
+    }
     try:
         deadline = time.time() + 1800
         for mode, (url, proc) in servers.items():  # they compile their programs at the same time
             while _health(int(url.rsplit(":", 1)[1])) != 200:
-                if proc.poll() is not None or time.time() > deadline:
+                if (proc is not None and proc.poll() is not None) or time.time() > deadline:
                     raise RuntimeError(f"the --prefix-cache {mode} server did not become ready")
                 time.sleep(1)
-        results = {w: {m: [] for m in modes} for w in ("chat", "unrelated", "short")}
+        results = {w: {m: [] for m in modes} for w in workloads}
         same_replies = True
         for repeat in range(args.repeats):
             order = modes if repeat % 2 == 0 else modes[::-1]
             replies = {}
             for mode in order:
                 url = servers[mode][0]
-                summary, replies[mode] = chat(url, args.model, repeat)
-                results["chat"][mode].append(summary)
-                results["unrelated"][mode].append(unrelated(url, args.model, repeat))
-                results["short"][mode].append(short(url, args.model, repeat))
-                print(f"repeat {repeat} {mode}: chat {summary}", file=sys.stderr, flush=True)
+                for workload in workloads:
+                    if workload == "chat":
+                        summary, replies[mode] = chat(url, args.model, args.seed * 1000 + repeat)
+                    else:
+                        work = unrelated if workload == "unrelated" else short
+                        summary = work(url, args.model, args.seed * 1000 + repeat)
+                    results[workload][mode].append(summary)
+                    print(f"repeat {repeat} {mode} {workload}: {json.dumps(summary)}", file=sys.stderr, flush=True)
             same_replies &= all(r == replies[modes[0]] for r in replies.values())
     finally:
-        for _, proc in servers.values():
+        started = [proc for _, proc in servers.values() if proc is not None]
+        for proc in started:
             proc.terminate()
-        for _, proc in servers.values():
+        for proc in started:
             proc.wait(60)
     report = {w: {m: _median(results[w][m]) for m in modes} for w in results}
-    report["chat_replies_identical"] = same_replies
-    for workload in ("chat", "unrelated", "short"):
+    report["chat_replies_identical"] = same_replies if "chat" in workloads else None
+    for workload in workloads:
         for mode in modes:
             r = report[workload][mode]
             print(
                 f"{workload:>9} {mode:>5}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms  "
                 f"wall {r['wall_s']:6.1f} s  {r['out_tok_s']:6.1f} out tok/s  cached {r['cached_fraction']:.0%}"
             )
-    if "off" in modes:
+    if "off" in modes and {"chat", "unrelated"} <= set(workloads):
         for mode in (m for m in modes if m != "off"):
             chat_x = report["chat"]["off"]["ttft_p50_ms"] / report["chat"][mode]["ttft_p50_ms"]
             tput = report["unrelated"][mode]["out_tok_s"] / report["unrelated"]["off"]["out_tok_s"]
