@@ -1,6 +1,6 @@
 """Prefix caching on the real default model (issue 17's must-shows): greedy tokens with the cache equal
-those without it — the golden cases run twice, a 4-turn chat over HTTP (KV reused from earlier prompts
-and replies), and (slow) 16 concurrent requests sharing a 300-token system prompt."""
+those without it — the golden cases run twice, and (slow: `-m slow`) a 4-turn chat over HTTP (KV reused
+from earlier prompts and replies) and 16 concurrent requests sharing a 300-token system prompt."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def test_golden_cases_run_twice_equal_the_reference_with_the_second_run_from_the
                 assert cached == len(case["prompt_ids"]) - 1, case["name"]  # all but the last prompt token
 
 
+@pytest.mark.slow  # ~6 min on the loaded 2-core machine: the golden-twice test above covers the default suite
 def test_a_four_turn_chat_over_http_equals_the_uncached_replies_and_reports_cached_tokens(runner, smollm2):
     tokenizer = smollm2[2]
     server = LiveServer(create_app(runner, tokenizer, NAME, runner.engine.max_len))
