@@ -341,7 +341,8 @@ class InferenceRunner:
             try:
                 if not scoring:
                     stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
-                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, reuse)
+                    reused = (reuse,) if reuse else ()  # an engine (or wrapper) without prefix caching takes 3
+                    pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, *reused)
                 else:
                     pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling)
             except Exception as e:  # this request only: its slot stays free, the others go on
