@@ -73,9 +73,9 @@ class FakeEngine:
         if needed > self.max_len:
             raise ContextLengthError(f"the context is {self.max_len} tokens; the request needs {needed}")
 
-    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None) -> FakePending:
+    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, reuse=None) -> FakePending:
         self.check_fits(len(prompt_ids))
-        self.calls.append(("prefill", slot, list(prompt_ids)))
+        self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()))
         self.last[slot] = (prompt_ids[-1] + 1) % self.vocab_size
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])

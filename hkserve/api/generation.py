@@ -59,6 +59,7 @@ class Generation:
         self.started = time.monotonic()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
+        self.n = 1  # choices per prompt
 
     def submit(
         self,
@@ -92,6 +93,7 @@ class Generation:
             self.cancel()
             raise domain_error(e) from e
         self.prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, whatever n is
+        self.n = n
         self.metrics.prompt_tokens.inc(self.prompt_tokens * n)
         if grammar is not None:
             self.metrics.constrained_requests.inc(len(self.choices))
@@ -150,6 +152,9 @@ class Generation:
         stream = choice.completion.stream
         if choice.completion.tokens == 1:
             self.metrics.ttft.observe(now - self.started)
+            if stream.cached_tokens is not None:  # the prefix cache looked the prompt up
+                self.metrics.prefix_lookup_tokens.inc(len(stream.request.prompt_ids))
+                self.metrics.prefix_hit_tokens.inc(stream.cached_tokens)
             if stream.admitted_at is not None:
                 self.metrics.queue_time.observe(max(0.0, stream.admitted_at - stream.request.submitted_at))
         elif choice.last_token_at is not None:
@@ -162,5 +167,12 @@ class Generation:
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.e2e.observe(time.monotonic() - self.started)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(c.completion.tokens for c in self.choices))
+    def usage(self) -> dict:
+        """OpenAI's usage; with the prefix cache on, prompt_tokens_details.cached_tokens: per prompt, the
+        fewest of its tokens any of its choices reused (prompt_tokens counts each prompt once too)."""
+        out = usage(self.prompt_tokens, sum(c.completion.tokens for c in self.choices))
+        cached = [c.completion.stream.cached_tokens for c in self.choices]
+        if cached and None not in cached:
+            per_prompt = [min(cached[i : i + self.n]) for i in range(0, len(cached), self.n)]
+            out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
+        return out

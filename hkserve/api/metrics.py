@@ -48,6 +48,12 @@ class Metrics:
             buckets=MASK_BUCKETS,
             registry=r,
         )
+        self.prefix_lookup_tokens = Counter(
+            "hkserve_prefix_cache_lookup_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "hkserve_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache reused", registry=r
+        )
         self.requests = Counter("hkserve_requests", "Finished requests (one per choice)", ["finish_reason"], registry=r)
         running = Gauge("hkserve_requests_running", "Requests holding a slot", registry=r)
         waiting = Gauge("hkserve_requests_waiting", "Requests in the admission queue", registry=r)

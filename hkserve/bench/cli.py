@@ -6,6 +6,7 @@ import argparse
 
 from hkserve.bench import engine as bench_engine
 from hkserve.bench import moe as bench_moe
+from hkserve.bench import prefix as bench_prefix
 from hkserve.bench import serve as bench_serve
 from hkserve.bench import soak as bench_soak
 from hkserve.bench import steady as bench_steady
@@ -95,6 +96,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("serve", help="TTFT, inter-token latency and tok/s of the HTTP server under load")
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.run)
+
+    p = kinds.add_parser("prefix", help="prefix caching over HTTP: chat TTFT, unrelated-prompt throughput, by mode")
+    bench_prefix.add_arguments(p)
+    p.set_defaults(func=bench_prefix.run)
 
     p = kinds.add_parser("soak", help="steady mixed HTTP traffic for a while: the server's RSS and fds before/after")
     bench_soak.add_arguments(p)

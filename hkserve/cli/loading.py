@@ -7,6 +7,7 @@ import jax
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model, param_shapes
@@ -20,6 +21,24 @@ def serving_weights(store: ModelStore, name: str, requested: str | None) -> str 
     if requested is None and store.info(name).config.memory == "vq":
         return None
     return default_weights(jax.default_backend(), requested)
+
+
+def add_prefix_cache_argument(p) -> None:
+    p.add_argument(
+        "--prefix-cache",
+        choices=MODES,
+        default=None,
+        help=f"reuse earlier prompts' KV (docs/prefix-caching.md); default {DEFAULT_MODE}, off for Transformer-VQ",
+    )
+
+
+def prefix_cache_mode(args, config) -> str:
+    """--prefix-cache as given, else the default for a KV model and "off" for a Transformer-VQ one (whose
+    compressed memory cannot be reused: asking for it explicitly is refused by the Engine)."""
+    requested = getattr(args, "prefix_cache", None)
+    if requested is not None:
+        return requested
+    return "off" if config.memory == "vq" else DEFAULT_MODE
 
 
 def load_engine(args, slots: int, hosts=None):
@@ -44,6 +63,7 @@ def load_engine(args, slots: int, hosts=None):
         n_top=getattr(args, "max_logprobs", 5),
         prefill_rows=getattr(args, "prefill_rows", 4),
         structured=True,  # structured outputs and tool calls: their split step compiles in warmup
+        prefix_cache=prefix_cache_mode(args, config),
     )
 
 

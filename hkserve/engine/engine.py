@@ -21,6 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.prefill_rows import RowPrefill
+from hkserve.engine.prefix_cache import MODES, Reuse
+from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import KVMemory, init_memory, reset_slot
 from hkserve.model.model import Model
@@ -97,6 +99,7 @@ class Engine:
         mesh: Mesh | None = None,
         prefill_rows: int = 4,
         structured: bool = False,
+        prefix_cache: str = "off",
     ):
         """`structured`: also compile the split step of grammar-constrained batches in warmup (servers
         do; else its programs compile on the first constrained step)."""
@@ -104,6 +107,13 @@ class Engine:
         self.structured = structured
         self._all_allowed = np.full((1, (config.vocab_size + 31) // 32), -1, np.int32)  # [1, W]: no grammar
         self._all_allowed_rows = np.full((slots, (config.vocab_size + 31) // 32), -1, np.int32)  # [B, W]
+        if prefix_cache not in MODES:
+            raise ValueError(f"prefix cache mode must be one of {', '.join(MODES)}, got {prefix_cache!r}")
+        if prefix_cache != "off" and config.memory == "vq":
+            raise ValueError(
+                "prefix caching needs a per-position KV memory: a Transformer-VQ memory is a compressed state "
+                "that can be reused only at the exact position it was saved (use --prefix-cache off)"
+            )
         if config.vocab_size >= 2**24:
             raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
         max_len = min(max_len, config.context_length)
@@ -111,6 +121,8 @@ class Engine:
         check_slots(slots, self.mesh)
         self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
+        self.prefix_cache = prefix_cache  # "exact": every prefill in fixed chunks (prefix_copy.plan_chunks)
+        self.prefill_chunk = min(EXACT_CHUNK, max_len) if prefix_cache == "exact" else None
         # A VQ memory has no length axis: its step costs the same at any position, one window does.
         self.windows = (max_len,) if config.memory == "vq" else window_sizes(max_len, min(128, max_len))
 
@@ -230,6 +242,12 @@ class Engine:
                 fn = self._sample_impl
                 in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
                 out_sh = (self.state_shardings, rep)
+            elif kind == "copy":
+                fn = copy_prefix
+                in_sh = (self.state_shardings, rep, rep, rep, rep)
+                out_sh = self.state_shardings
+                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
+                return self._compiled[key]
             else:
                 # `active` and the sampled tokens are replicated: tiny, and every host can then
                 # pass and read them even when the slots' rows live on other hosts.
@@ -251,6 +269,16 @@ class Engine:
         """Windows that the later chunks of a prompt longer than the largest bucket attend over."""
         chunk = self.prefill_buckets[-1]
         return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
+
+    def continuation_programs(self) -> list[tuple[int, int]]:
+        """(bucket, window) of every chunk that does not start a slot: a long prompt's later chunks, and
+        with prefix caching a suffix's chunks (any bucket, any window; exact: its one chunk shape)."""
+        if self.prefill_chunk:
+            chunk = self.prefill_chunk
+            return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
+        if self.prefix_cache == "on":
+            return [(b, w) for w in self.windows for b in self.prefill_buckets]
+        return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
 
     def _prefill_chunk(
         self,
@@ -282,15 +310,18 @@ class Engine:
         slot: int,
         prompt_ids: Sequence[int],
         settings: SamplingParams | None = None,
+        reuse: Reuse | None = None,
         bitmask: np.ndarray | None = None,
     ) -> PendingTokens:
         """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
         (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
         prompt to the largest, so they need one program per window, not one per bucket and window.
+        With `reuse`, the prompt's first reuse.length tokens' KV is copied from slot reuse.source (the
+        runner's PrefixCache knows it holds them) and only the rest is prefilled.
         A prompt or settings the slot cannot take raise before any device work; a failure after it
         leaves the other slots as they were, or raises DecodeStateLost when it cannot. `bitmask` [1, W]
         int32: the tokens the first sample may take (a grammar's; None allows all)."""
-        return self._prefill(slot, prompt_ids, settings, None, bitmask)
+        return self._prefill(slot, prompt_ids, settings, None, reuse, bitmask)
 
     def score_prefill(
         self,
@@ -303,21 +334,22 @@ class Engine:
         alternatives given the tokens before it. Its own compiled programs (per bucket and window), so
         a plain prefill computes nothing for it."""
         chunks: list[tuple[jax.Array, int]] = []
-        pending = self._prefill(slot, prompt_ids, settings, chunks, bitmask)
+        pending = self._prefill(slot, prompt_ids, settings, chunks, None, bitmask)
         return pending, PendingScores(chunks)
 
-    def _prefill(self, slot, prompt_ids, settings, scores: list | None, bitmask=None) -> PendingTokens:
+    def _prefill(self, slot, prompt_ids, settings, scores: list | None, reuse=None, bitmask=None) -> PendingTokens:
         """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
-        chunk = self.prefill_buckets[-1]
+        start = check_reuse(
+            reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
+        )
+        plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
         try:
-            for start in range(0, len(prompt_ids), chunk):
-                piece = list(prompt_ids[start : start + chunk])
-                if start == 0:
-                    bucket, attend_len = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(piece))], 0
-                else:
-                    bucket, attend_len = chunk, self._window(start)
+            if start:
+                self._copy_prefix(reuse.source, slot, prompt_ids[:start])
+            for start, end, bucket, attend_len in plan:
+                piece = list(prompt_ids[start:end])
                 if scores is None:
                     out = self._prefill_chunk(slot, piece, attend_len, bucket, row, None, bitmask)
                 else:
@@ -347,6 +379,20 @@ class Engine:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
                 raise DecodeStateLost(f"batched prefill failed after donating the decode state: {e!r}") from e
             raise
+
+    def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int]) -> None:
+        """Slot dest starts with slot source's KV of `prefix` (one program per window of rows)."""
+        window = self._window(len(prefix))
+        tokens = np.zeros((window,), np.int32)
+        tokens[: len(prefix)] = prefix
+        args = (
+            tokens,
+            np.asarray([source], np.int32),
+            np.asarray([dest], np.int32),
+            np.asarray([len(prefix)], np.int32),
+        )
+        self.state = self._compiled_fn("copy", window)(self.state, *args)
+        self.positions[dest] = len(prefix)
 
     def _step_window(self, active: np.ndarray) -> int:
         needed = int(self.positions[active].max()) if active.any() else 1
@@ -378,12 +424,16 @@ class Engine:
         """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
         each continuation window of long prompts, each decode window. len(buckets) + 2 × len(windows)
         programs at most, whatever the number of slots (the step is one program for all of them)."""
-        for bucket in self.prefill_buckets:
+        for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
             self.prefill(0, [0] * bucket)
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
-        for window in self.continuation_windows():  # one token each: compiles the program, writes little
-            self._prefill_chunk(0, [0], window, self.prefill_buckets[-1], row)
+        for bucket, window in self.continuation_programs():  # one token each: compiles, writes little
+            self._prefill_chunk(0, [0], window, bucket, row)
         self.row_prefill.warmup()
+        if self.prefix_cache != "off":
+            for window in self.windows:
+                self._copy_prefix(0, 0, [0] * window)
+            self.positions[0] = 0
         only_first = np.eye(self.slots, dtype=bool)[0]
         for w in self.windows:
             self.positions[0] = w - 1

@@ -13,13 +13,13 @@ from hkserve.engine.engine import PendingTokens, Token
 class RowGroups:
     """Admitted (slot, stream) pairs waiting for their rows program, by bucket."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, enabled: bool = True):
+        self.engine, self.enabled = engine, enabled
         self._groups: dict[int, list] = {}  # bucket → [(slot, stream)], fewer than its rows
 
     def takes(self, request) -> bool:
         """Unscored, unconstrained prompts that fit a rows program (a grammar's first mask is a one-row prefill)."""
-        plain = request.prompt_logprobs is None and request.grammar is None
+        plain = self.enabled and request.prompt_logprobs is None and request.grammar is None
         return plain and self.engine.rows_program(len(request.prompt_ids)) is not None
 
     def add(self, slot: int, stream) -> list | None:

@@ -46,6 +46,7 @@ import numpy as np
 from hkserve.engine.constrained import Grammar, SlotGrammars
 from hkserve.engine.engine import DecodeStateLost, Engine, PendingScores, PendingTokens, ScoredToken, Token
 from hkserve.engine.handoff import mailbox_for
+from hkserve.engine.prefix_cache import PrefixCache, Reuse
 from hkserve.engine.row_groups import RowGroups, RowOf
 from hkserve.model.sampling import SamplingParams
 
@@ -90,6 +91,7 @@ class RequestStream:
         self.request = request
         self.loop = loop
         self.admitted_at: float | None = None
+        self.cached_tokens: int | None = None  # prompt tokens whose KV was reused (None: not looked up)
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
         self._mailbox = mailbox_for(loop) if loop else None  # one loop wake-up per step (handoff.py)
@@ -155,6 +157,9 @@ class InferenceRunner:
         self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
         self.grammars = SlotGrammars(engine.slots, engine.model.config.vocab_size)  # constrained slots
+        # What each slot's memory holds, and where prompts go (mode "off": the first free slot).
+        mode, chunk = getattr(engine, "prefix_cache", "off"), getattr(engine, "prefill_chunk", None)
+        self.prefix = PrefixCache(engine.slots, mode, granule=chunk or 1)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -308,6 +313,8 @@ class InferenceRunner:
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)
         if slot is not None:
+            if self._slots[slot] is not None:
+                self.prefix.finished(slot, self._slots[slot].length)
             self._slots[slot] = None
             self.grammars.release(slot)
 
@@ -341,22 +348,26 @@ class InferenceRunner:
         admitted = []
         free = [i for i, s in enumerate(self._slots) if s is None]
         spent, taken = 0, 0
-        groups = RowGroups(self.engine)  # short prompts, prefilled several per call (row_groups.py)
+        # Short prompts are prefilled several per call (row_groups.py), except in the prefix cache's
+        # exact mode, whose reuse needs every prompt's KV computed by the fixed-chunk prefill.
+        groups = RowGroups(self.engine, enabled=self.prefix.mode != "exact")
         try:
             while free and (not taken or spent < self.prefill_budget):
                 with self._lock:
                     if not self._waiting:
                         break
                     stream = self._waiting.popleft()
-                slot = free.pop(0)
                 request = stream.request
-                spent, taken = spent + len(request.prompt_ids), taken + 1
+                scoring = request.prompt_logprobs is not None  # scores every prompt token: reuses nothing
+                slot, reuse = self.prefix.place(request.prompt_ids, free, lookup=not scoring)
+                free.remove(slot)
+                spent, taken = spent + len(request.prompt_ids) - (reuse.length if reuse else 0), taken + 1
                 stream.admitted_at = time.monotonic()
-                if groups.takes(request):
+                if reuse is None and groups.takes(request):
                     full = groups.add(slot, stream)
                     admitted += self._prefill_rows(full) if full else []
                     continue
-                admitted += self._prefill_one(slot, stream, free)
+                admitted += self._prefill_one(slot, stream, free, reuse)
             for group in groups.drain():
                 admitted += self._prefill_rows(group)
         except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
@@ -364,25 +375,30 @@ class InferenceRunner:
             raise
         return admitted
 
-    def _prefill_one(self, slot: int, stream: RequestStream, free: list[int]) -> list[_InFlight]:
+    def _prefill_one(self, slot: int, stream: RequestStream, free: list[int], reuse: Reuse | None) -> list[_InFlight]:
+        """One prompt's own prefill: with its prefix's KV reused, a grammar's first mask, or its scores."""
         request = stream.request
         scores = None
         try:
             # a constrained request's first token is sampled under its grammar's first mask
             mask = self.grammars.bind(slot, request.grammar) if request.grammar and request.max_tokens else None
-            masked = {} if mask is None else {"bitmask": mask}
+            keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
             if request.prompt_logprobs is None:
-                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **masked)
+                stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **keywords)
             else:
-                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **masked)
+                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
         except Exception as e:  # this request only: its slot stays free, the others go on
             self.grammars.release(slot)
+            self.prefix.forget(slot)
             self._prefill_failed([stream], e)
             return []
+        self.prefix.admitted(slot, request.prompt_ids, exact=request.prompt_logprobs is None)
         if request.max_tokens:
             self._slots[slot] = _Slot(stream, 0, len(request.prompt_ids))
         else:  # only the prompt's scores are wanted: the slot is free again at once
             self._prompt_only.append(stream)
+            self.prefix.finished(slot, len(request.prompt_ids))
             free.insert(0, slot)
         return [_InFlight([(slot, stream)], pending, False, scores)]
 
@@ -395,6 +411,8 @@ class InferenceRunner:
             )
         except Exception as e:
             if len(group) == 1 or isinstance(e, DecodeStateLost):  # these requests only: their slots stay free
+                for slot, _ in group:
+                    self.prefix.forget(slot)
                 self._prefill_failed([stream for _, stream in group], e)
                 return []
             # Each alone, in the same program (same bits): only a request that fails alone fails.
@@ -407,6 +425,9 @@ class InferenceRunner:
                     raise
             return flights
         for slot, stream in group:
+            # Reusable in mode "on"; not in "exact" (another program than the fixed-chunk prefill computed it).
+            self.prefix.admitted(slot, stream.request.prompt_ids, exact=False)
+            stream.cached_tokens = 0 if self.prefix.mode != "off" else None
             self._slots[slot] = _Slot(stream, 0, len(stream.request.prompt_ids))
         return [_InFlight([(slot, stream)], RowOf(pending, row), False) for row, (slot, stream) in enumerate(group)]
 
@@ -435,6 +456,7 @@ class InferenceRunner:
             return  # finished (or cancelled) while this token was in flight: discard
         request = stream.request
         produced = self._slots[slot].produced + 1
+        self.prefix.delivered(slot, token.id)
         self._slots[slot] = self._slots[slot]._replace(produced=produced)
         top = token.top[: request.logprobs]
         stream.push(Event(request.id, Token(token.id, token.logprob, top)))
@@ -460,6 +482,7 @@ class InferenceRunner:
                 self._in_flight = []
                 if not self._stop.is_set():
                     self.engine.reset()
+                    self.prefix.clear()
         self.iterate()  # stopped: ends what is left (cancelled, or failed with the abort's error)
 
     def _fail_all(self, error: str | None) -> None:

@@ -23,6 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from hkserve.engine.engine import ContextLengthError
+from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import parse_mesh
 from hkserve.multihost.control import Follower, Leader, load_secret
@@ -121,20 +122,24 @@ class LeaderEngine:
     def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
         return getattr(self._engine, name)
 
-    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
-        settings = self._announce("prefill", slot, prompt_ids, settings, bitmask)
-        return self._engine.prefill(slot, prompt_ids, settings, **_masked(bitmask))
+    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None):
+        """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
+        a grammar's first mask."""
+        extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
+        settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
+        return self._engine.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
-        return self._engine.score_prefill(slot, prompt_ids, settings, **_masked(bitmask))
+        return self._engine.score_prefill(slot, prompt_ids, settings, **_keywords(bitmask=bitmask))
 
-    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, bitmask) -> SamplingParams:
+    def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, bitmask, **extra):
         """Send a prefill call to the followers; returns the settings it carries."""
         settings = settings or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         mask = None if bitmask is None else _pack_mask(bitmask)
-        self._leader.broadcast(_call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings), mask=mask))
+        message = _call(op, slot=int(slot), ids=ids, settings=dataclasses.asdict(settings), mask=mask, **extra)
+        self._leader.broadcast(message)
         return settings
 
     def prefill_many(self, slots, prompts, settings):
@@ -187,9 +192,9 @@ def _unpack_mask(mask: dict | None):
     return np.frombuffer(base64.b64decode(mask["data"]), np.int32).reshape(mask["shape"])
 
 
-def _masked(bitmask) -> dict:
-    """The bitmask keyword, only for constrained calls (an engine call without one is unchanged)."""
-    return {} if bitmask is None else {"bitmask": bitmask}
+def _keywords(reuse=None, bitmask=None) -> dict:
+    """The reuse and bitmask keywords, only where given (an engine call without them is unchanged)."""
+    return {k: v for k, v in (("reuse", reuse), ("bitmask", bitmask)) if v is not None}
 
 
 def follow(engine, follower: Follower) -> int:
@@ -198,7 +203,9 @@ def follow(engine, follower: Follower) -> int:
     forward = []  # the step_forward awaiting its step_sample (grammar-constrained steps)
 
     def prefill(m, op):
-        return op(m["slot"], m["ids"], SamplingParams(**m["settings"]), **_masked(_unpack_mask(m.get("mask"))))
+        reuse = Reuse(*m["reuse"]) if m.get("reuse") else None
+        settings = SamplingParams(**m["settings"])
+        return op(m["slot"], m["ids"], settings, **_keywords(reuse, _unpack_mask(m.get("mask"))))
 
     calls = {
         "prefill": lambda m: prefill(m, engine.prefill),
