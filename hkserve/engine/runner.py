@@ -268,7 +268,9 @@ class InferenceRunner:
             for slot, stream in flight.owners:
                 if flight.scores is not None:
                     self._emit_prompt(stream, flight.scores.read())
-                self._emit(slot, stream, tokens[slot] if flight.by_slot else tokens[0])
+                row = tokens[slot] if flight.by_slot else tokens[0]
+                for token in row if isinstance(row, list) else [row]:  # a speculative step's row: a run
+                    self._emit(slot, stream, token)
         just_admitted = {slot for flight in admitted for slot, _ in flight.owners}
         for i in full:
             s = self._slots[i]

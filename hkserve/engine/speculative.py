@@ -1,0 +1,187 @@
+"""Speculative decoding around an Engine: n-gram drafts proposed and verified inside one compiled
+[B, K+1] step (hkserve/engine/verify.py), so the runner keeps its one-step-behind pipelining.
+
+`SpeculativeEngine` offers the Engine's interface, so the runner drives it unchanged except that a
+step's row may carry several tokens. It keeps each slot's tokens on the device (the context the
+lookup searches) and decides per step, with SpecPolicy, whether to verify or to take the Engine's
+own plain step. KV memory only: a Transformer-VQ memory cannot take back rejected positions.
+
+The host mirror of each slot's position (`engine.positions`, which picks the attention window) is
+an upper bound while a verify step is in flight and exact again once its output is read.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hkserve.engine.engine import Engine, PendingTokens, Token
+from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
+from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
+
+
+class _Flight(NamedTuple):
+    grow: np.ndarray  # [B] how far each slot's position may have advanced in this step
+    epoch: np.ndarray  # [B] each slot's request generation when the step was dispatched
+    drafting: np.ndarray  # [B] bool: rows that could draft (a verify step's evidence for the policy)
+
+
+class PendingSpec:
+    """A step's tokens on the device (see PendingTokens): `read()` gives each row's tokens as a list,
+    several where drafts were accepted, none for an idle row."""
+
+    def __init__(self, owner: SpeculativeEngine, packed: jax.Array | None, plain: PendingTokens | None):
+        self.owner, self.packed, self.plain = owner, packed, plain
+        if packed is not None:
+            packed.copy_to_host_async()
+
+    def read(self) -> list[list[Token]]:
+        flight = self.owner._flights.popleft()
+        if self.plain is not None:
+            return [[t] if grow else [] for t, grow in zip(self.plain.read(), flight.grow)]
+        host = np.asarray(self.packed)  # [B, K+1, 2 + 2n + EXTRA]
+        n = (host.shape[2] - 2 - EXTRA) // 2
+        rows = []
+        for slot, row in enumerate(host):
+            emitted, drafted, step = (int(x) for x in row[0, -EXTRA:])
+            rows.append(
+                [
+                    Token(
+                        int(r[0]),
+                        float(r[1]),
+                        list(zip(r[2 : 2 + n].astype(np.int64).tolist(), r[2 + n : 2 + 2 * n].tolist())),
+                    )
+                    for r in row[:emitted]
+                ]
+            )
+            if emitted:
+                self.owner._settle(slot, flight, step, drafted, emitted)
+        return rows
+
+
+class SpeculativeEngine:
+    """An Engine that drafts with n-gram lookup and verifies the drafts in one step."""
+
+    def __init__(self, engine: Engine, config: SpecConfig | None = None):
+        if engine.model.config.memory != "kv":
+            raise ValueError("speculative decoding needs a KV memory (a VQ memory cannot drop rejected tokens)")
+        self.engine = engine
+        self.config = config or SpecConfig()
+        self.policy = SpecPolicy(self.config, engine.slots)
+        self._epoch = np.zeros(engine.slots, np.int64)
+        self._flights: collections.deque[_Flight] = collections.deque()
+        self._context_sharding = NamedSharding(engine.mesh, P("data", None))
+        self._compiled: dict = {}
+        self._new_context()
+
+    def __getattr__(self, name):  # everything else is the Engine's (slots, max_len, model, check_fits, ...)
+        return getattr(self.engine, name)
+
+    @property
+    def counts(self) -> SpecCounts:
+        return self.policy.counts
+
+    def _new_context(self) -> None:
+        shape = (self.engine.slots, self.engine.max_len)
+        self.context = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=self._context_sharding)()
+
+    def reset(self) -> None:
+        self.engine.reset()
+        self._new_context()
+        self._flights.clear()
+
+    # -- compiled programs ----------------------------------------------------------------------
+    def _fn(self, kind: str, attend_len: int = 0):
+        key = (kind, attend_len)
+        if key not in self._compiled:
+            e, rep, ctx = self.engine, self.engine._sharding(), self._context_sharding
+            if kind == "verify":
+                c = self.config
+                fn = functools.partial(verify_step, e.model, e.n_top, c.k, c.ngram_sizes, attend_len)
+                self._compiled[key] = jax.jit(
+                    fn,
+                    in_shardings=(e.param_shardings, e.state_shardings, ctx, rep, rep),
+                    out_shardings=(e.state_shardings, ctx, rep),
+                    donate_argnums=(1, 2),
+                )
+            elif kind == "append":
+                self._compiled[key] = jax.jit(
+                    append_inputs, in_shardings=(e.state_shardings, ctx, rep), out_shardings=ctx, donate_argnums=(1,)
+                )
+            else:
+                self._compiled[key] = jax.jit(
+                    write_prompt, in_shardings=(ctx, rep, rep), out_shardings=ctx, donate_argnums=(0,)
+                )
+        return self._compiled[key]
+
+    # -- the Engine's interface -----------------------------------------------------------------
+    def _started(self, slot: int, prompt_ids) -> None:
+        row = np.zeros(self.engine.max_len, np.int32)
+        row[: len(prompt_ids)] = prompt_ids
+        self.context = self._fn("prompt")(self.context, np.int32(slot), row)
+        self._epoch[slot] += 1
+        self.policy.restart(slot)
+
+    def prefill(self, slot: int, prompt_ids, settings=None) -> PendingTokens:
+        pending = self.engine.prefill(slot, prompt_ids, settings)
+        self._started(slot, prompt_ids)
+        return pending
+
+    def score_prefill(self, slot: int, prompt_ids, settings=None):
+        pending, scores = self.engine.score_prefill(slot, prompt_ids, settings)
+        self._started(slot, prompt_ids)
+        return pending, scores
+
+    def step(self, active: np.ndarray) -> PendingSpec:
+        """One step for the active slots [B]: a verify step when the policy has slots drafting, else
+        the Engine's plain step (after adding the inputs to the context)."""
+        e = self.engine
+        active = np.asarray(active, bool)
+        drafting = self.policy.plan(active)
+        top = e.max_len - 1  # a slot still owed tokens never starts a step past it (see _settle)
+        if drafting is None:
+            self.context = self._fn("append")(e.state, self.context, active)
+            np.minimum(e.positions, top, out=e.positions)
+            pending = PendingSpec(self, None, e.step(active))
+            grow, drafting = active.astype(np.int64), np.zeros_like(active)
+        else:
+            needed = int(e.positions[active].max())
+            e.state, self.context, packed = self._fn("verify", e._window(max(needed, 1)))(
+                e.params, e.state, self.context, active, drafting
+            )
+            grow = active * (1 + self.config.k * drafting)
+            pending = PendingSpec(self, packed, None)
+        self._flights.append(_Flight(grow, self._epoch.copy(), drafting))
+        if drafting.any():
+            e.positions += grow
+        np.minimum(e.positions, top, out=e.positions)
+        return pending
+
+    def _settle(self, slot: int, flight: _Flight, step: int, drafted: int, emitted: int) -> None:
+        """A verify step's exact outcome for one slot: its position and the policy's evidence."""
+        if flight.epoch[slot] != self._epoch[slot]:
+            return  # the slot holds another request now
+        later = sum(int(f.grow[slot]) for f in self._flights if f.epoch[slot] == self._epoch[slot])
+        self.engine.positions[slot] = min(step + later, self.engine.max_len - 1)
+        if flight.drafting[slot]:
+            self.policy.observe(slot, drafted, emitted)
+
+    def warmup(self) -> None:
+        """The Engine's programs, then a verify step per window and the context programs."""
+        e = self.engine
+        e.warmup()
+        first = np.eye(e.slots, dtype=bool)[0]
+        self._started(0, [0])
+        self.context = self._fn("append")(e.state, self.context, first)
+        for w in e.windows:
+            e.state, self.context, packed = self._fn("verify", w)(e.params, e.state, self.context, first, first)
+        np.asarray(packed)
+        e.positions[:] = 0
+        self.policy.restart(0)
