@@ -6,6 +6,7 @@ import jax
 
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
+from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
@@ -23,7 +24,8 @@ def serving_weights(store: ModelStore, name: str, requested: str | None) -> str 
 
 def load_engine(args, slots: int, hosts=None):
     """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
-    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards."""
+    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards. Wrapped in a
+    SpeculativeEngine with `--speculative ngram`."""
     store = ModelStore()
     if args.model == DEFAULT_MODEL and not store.exists(args.model):
         pull(args.model, store)
@@ -33,7 +35,7 @@ def load_engine(args, slots: int, hosts=None):
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
-    return Engine(
+    engine = Engine(
         build_model(config),
         params,
         slots=slots,
@@ -41,6 +43,7 @@ def load_engine(args, slots: int, hosts=None):
         mesh=mesh,
         n_top=getattr(args, "max_logprobs", 5),
     )
+    return speculative.wrap(engine, args, hosts)
 
 
 def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
