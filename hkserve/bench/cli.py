@@ -1,4 +1,4 @@
-"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, vq."""
+"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, spec, vq."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from hkserve.bench import engine as bench_engine
 from hkserve.bench import moe as bench_moe
 from hkserve.bench import serve as bench_serve
 from hkserve.bench import soak as bench_soak
+from hkserve.bench import spec as bench_spec
 from hkserve.bench import vq as bench_vq
 from hkserve.bench.random_models import RANDOM_CONFIGS
 from hkserve.checkpoint.store import DEFAULT_MODEL
@@ -80,6 +81,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
     bench_moe.add_arguments(p)
     p.set_defaults(func=bench_moe.run)
+
+    p = kinds.add_parser("spec", help="tok/s with speculative decoding (n-gram lookup) on vs off: edit and chat")
+    bench_spec.add_arguments(p)
+    p.set_defaults(func=bench_spec.run)
 
     p = kinds.add_parser("vq", help="per-token decode time and memory per slot: Transformer-VQ vs KV by context")
     bench_vq.add_arguments(p)

@@ -22,9 +22,10 @@ class SpecConfig:
 
     k: int = 4  # drafts per verify step
     ngram_sizes: tuple[int, ...] = (1, 2, 3, 4)  # suffix lengths searched, longest match wins
-    max_batch: int = 4  # the crossover: above this many decoding slots every step is plain
+    max_batch: int = 8  # the crossover: above this many decoding slots every step is plain
     min_tokens: float = 1.6  # tokens a verify step must emit per slot, on average, to keep drafting
-    window: int = 4  # verify steps averaged before judging a slot
+    window: int = 4  # verify steps averaged before first judging a slot
+    probe: int = 2  # verify steps averaged when a slot comes back from a back-off
     backoff: int = 16  # plain steps before a failing slot probes again (doubling up to max_backoff)
     max_backoff: int = 256
 
@@ -51,6 +52,7 @@ class SpecCounts:
 @dataclass
 class _SlotPolicy:
     recent: list[int] = field(default_factory=list)  # tokens emitted by its last verify steps
+    judged: bool = False  # failed once: later judgements are quick probes
     off_for: int = 0  # plain steps left before it drafts again
     backoff: int = 0
 
@@ -84,10 +86,12 @@ class SpecPolicy:
             self.counts.verify_rows += 1
             self.counts.drafted += drafted
             self.counts.accepted += emitted - 1
-        s.recent = (s.recent + [emitted])[-c.window :]
-        if len(s.recent) < c.window:
+        window = c.probe if s.judged else c.window
+        s.recent = (s.recent + [emitted])[-window:]
+        if len(s.recent) < window:
             return
         if sum(s.recent) / len(s.recent) < c.min_tokens:
             s.off_for, s.backoff, s.recent = s.backoff, min(2 * s.backoff, c.max_backoff), []
+            s.judged = True
         else:
             s.backoff = c.backoff
