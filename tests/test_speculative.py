@@ -16,7 +16,7 @@ from hkserve.engine.runner import InferenceRunner, Request
 from hkserve.engine.spec_policy import SpecConfig, SpecPolicy
 from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model
-from hkserve.model.ngram import propose
+from hkserve.model.ngram import first_draft, propose
 from hkserve.model.sampling import SamplingParams
 
 
@@ -36,6 +36,16 @@ def test_lookup_takes_the_longest_suffix_at_its_most_recent_earlier_occurrence()
     assert np.asarray(propose(four, jnp.asarray([7]), k=2, sizes=(1, 2)).tokens)[0].tolist() == [8, 3]
 
 
+def test_the_host_lookup_proposes_the_devices_first_draft():
+    rng = np.random.default_rng(1)
+    contexts = rng.integers(0, 4, (64, 24)).astype(np.int32)  # a small alphabet: many matches
+    lasts = rng.integers(0, 24, 64)
+    drafts = propose(jnp.asarray(contexts), jnp.asarray(lasts), k=2, sizes=(1, 2, 3))
+    for row, last, token, count in zip(contexts, lasts, np.asarray(drafts.tokens), np.asarray(drafts.count)):
+        host = first_draft(row[: last + 1].tolist(), (1, 2, 3))
+        assert host == (int(token[0]) if count else None)
+
+
 def test_policy_turns_a_slot_off_when_it_does_not_pay_and_probes_again_later():
     config = SpecConfig(k=4, max_batch=2, min_tokens=2.0, window=2, probe=1, backoff=3, max_backoff=6)
     policy = SpecPolicy(config, slots=3)
@@ -51,6 +61,12 @@ def test_policy_turns_a_slot_off_when_it_does_not_pay_and_probes_again_later():
     assert policy.plan(both).tolist() == [True, True, False]  # probing again
     policy.observe(1, drafted=0, emitted=1)  # probe fails at once: off for twice as long
     assert [policy.plan(both)[1] for _ in range(7)] == [False] * 6 + [True]
+    policy.observe(1, drafted=4, emitted=1)  # probing again fails: off for 6
+    assert policy.resting(1)
+    policy.shadow(1, True), policy.shadow(1, False), policy.shadow(1, True), policy.shadow(1, True)
+    assert policy.resting(1)
+    policy.shadow(1, True)  # the lookup would have been right `wake` (3) times in a row: back on
+    assert not policy.resting(1) and policy.plan(both)[1]
     policy.restart(1)  # a new request in the slot starts afresh
     assert policy.plan(both)[1]
     assert policy.plan(np.zeros(3, bool)) is None

@@ -4,7 +4,9 @@ spare compute of a small batch absorbs and a large one does not).
 
 A slot drafts until its recent verify steps emit fewer than `min_tokens` tokens each on average;
 then it decodes plainly for a back-off that doubles each time it fails again (capped), and probes
-once more. A new request in the slot starts afresh.
+once more, or sooner when the lookup, run on the host over the tokens it emits meanwhile, would have
+proposed the right next token `wake` times in a row (an edit's output starts copying after its
+preamble). A new request in the slot starts afresh.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SpecConfig:
     probe: int = 2  # verify steps averaged when a slot comes back from a back-off
     backoff: int = 16  # plain steps before a failing slot probes again (doubling up to max_backoff)
     max_backoff: int = 256
+    wake: int = 3  # consecutive right first drafts (host lookup) that end a back-off early
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -53,6 +56,7 @@ class SpecCounts:
 class _SlotPolicy:
     recent: list[int] = field(default_factory=list)  # tokens emitted by its last verify steps
     judged: bool = False  # failed once: later judgements are quick probes
+    hits: int = 0  # consecutive right first drafts while off
     off_for: int = 0  # plain steps left before it drafts again
     backoff: int = 0
 
@@ -78,6 +82,16 @@ class SpecPolicy:
             if a and s.off_for:
                 s.off_for -= 1
         return rows if rows.any() else None
+
+    def resting(self, slot: int) -> bool:
+        return self.slots[slot].off_for > 0
+
+    def shadow(self, slot: int, hit: bool) -> None:
+        """While off: whether the lookup would have proposed the token that came."""
+        s = self.slots[slot]
+        s.hits = s.hits + 1 if hit else 0
+        if s.hits >= self.config.wake:
+            s.off_for, s.hits = 0, 0
 
     def observe(self, slot: int, drafted: int, emitted: int) -> None:
         """One verify step's outcome for a drafting slot."""

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from hkserve.engine.engine import Engine, PendingTokens, Token
 from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
 from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
+from hkserve.model.ngram import first_draft
 
 
 class _Flight(NamedTuple):
@@ -45,7 +46,11 @@ class PendingSpec:
     def read(self) -> list[list[Token]]:
         flight = self.owner._flights.popleft()
         if self.plain is not None:
-            return [[t] if grow else [] for t, grow in zip(self.plain.read(), flight.grow)]
+            rows = [[t] if grow else [] for t, grow in zip(self.plain.read(), flight.grow)]
+            for slot, row in enumerate(rows):
+                if row:
+                    self.owner._emitted(slot, flight.epoch[slot], row, plain=True)
+            return rows
         host = np.asarray(self.packed)  # [B, K+1, 2 + 2n + EXTRA]
         n = (host.shape[2] - 2 - EXTRA) // 2
         rows = []
@@ -63,7 +68,20 @@ class PendingSpec:
             )
             if emitted:
                 self.owner._settle(slot, flight, step, drafted, emitted)
+                self.owner._emitted(slot, flight.epoch[slot], rows[-1], plain=False)
         return rows
+
+
+class _PrefillRead:
+    """A prefill's first token, also noted in the slot's host history."""
+
+    def __init__(self, owner: SpeculativeEngine, pending: PendingTokens, slot: int):
+        self.owner, self.pending, self.slot, self.epoch = owner, pending, slot, owner._epoch[slot]
+
+    def read(self) -> list[Token]:
+        tokens = self.pending.read()
+        self.owner._emitted(self.slot, self.epoch, tokens[:1], plain=False)
+        return tokens
 
 
 class SpeculativeEngine:
@@ -76,6 +94,7 @@ class SpeculativeEngine:
         self.config = config or SpecConfig()
         self.policy = SpecPolicy(self.config, engine.slots)
         self._epoch = np.zeros(engine.slots, np.int64)
+        self._history: list[list[int]] = [[] for _ in range(engine.slots)]  # host copy of each slot's tokens
         self._flights: collections.deque[_Flight] = collections.deque()
         self._context_sharding = NamedSharding(engine.mesh, P("data", None))
         self._compiled: dict = {}
@@ -127,17 +146,29 @@ class SpeculativeEngine:
         row[: len(prompt_ids)] = prompt_ids
         self.context = self._fn("prompt")(self.context, np.int32(slot), row)
         self._epoch[slot] += 1
+        self._history[slot] = list(prompt_ids)
         self.policy.restart(slot)
 
-    def prefill(self, slot: int, prompt_ids, settings=None) -> PendingTokens:
+    def _emitted(self, slot: int, epoch: int, tokens: list[Token], plain: bool) -> None:
+        """A slot's tokens as read: kept on the host, and while the slot rests, checked against what
+        the lookup would have proposed (SpecPolicy.shadow)."""
+        if epoch != self._epoch[slot]:
+            return
+        history = self._history[slot]
+        for token in tokens:
+            if plain and self.policy.resting(slot):
+                self.policy.shadow(slot, first_draft(history, self.config.ngram_sizes) == token.id)
+            history.append(token.id)
+
+    def prefill(self, slot: int, prompt_ids, settings=None) -> _PrefillRead:
         pending = self.engine.prefill(slot, prompt_ids, settings)
         self._started(slot, prompt_ids)
-        return pending
+        return _PrefillRead(self, pending, slot)
 
     def score_prefill(self, slot: int, prompt_ids, settings=None):
         pending, scores = self.engine.score_prefill(slot, prompt_ids, settings)
         self._started(slot, prompt_ids)
-        return pending, scores
+        return _PrefillRead(self, pending, slot), scores
 
     def step(self, active: np.ndarray) -> PendingSpec:
         """One step for the active slots [B]: a verify step when the policy has slots drafting, else
