@@ -12,7 +12,6 @@ an upper bound while a verify step is in flight and exact again once its output 
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import NamedTuple
 
@@ -36,19 +35,19 @@ class _Flight(NamedTuple):
 
 class PendingSpec:
     """A step's tokens on the device (see PendingTokens): `read()` gives each row's tokens as a list,
-    several where drafts were accepted, none for an idle row."""
+    several where drafts were accepted (an idle row's entry is junk, as in PendingTokens)."""
 
-    def __init__(self, owner: SpeculativeEngine, packed: jax.Array | None, plain: PendingTokens | None):
-        self.owner, self.packed, self.plain = owner, packed, plain
+    def __init__(self, owner: SpeculativeEngine, seq: int, packed: jax.Array | None, plain: PendingTokens | None):
+        self.owner, self.seq, self.packed, self.plain = owner, seq, packed, plain
         if packed is not None:
             packed.copy_to_host_async()
 
     def read(self) -> list[list[Token]]:
-        flight = self.owner._flights.popleft()
+        flight = self.owner._flights.pop(self.seq, None)  # None: the engine was reset since
         if self.plain is not None:
-            rows = [[t] if grow else [] for t, grow in zip(self.plain.read(), flight.grow)]
+            rows = [[t] for t in self.plain.read()]
             for slot, row in enumerate(rows):
-                if row:
+                if flight is not None and flight.grow[slot]:
                     self.owner._emitted(slot, flight.epoch[slot], row, plain=True)
             return rows
         host = np.asarray(self.packed)  # [B, K+1, 2 + 2n + EXTRA]
@@ -66,8 +65,8 @@ class PendingSpec:
                     for r in row[:emitted]
                 ]
             )
-            if emitted:
-                self.owner._settle(slot, flight, step, drafted, emitted)
+            if emitted and flight is not None:
+                self.owner._settle(self.seq, slot, flight, step, drafted, emitted)
                 self.owner._emitted(slot, flight.epoch[slot], rows[-1], plain=False)
         return rows
 
@@ -95,7 +94,10 @@ class SpeculativeEngine:
         self.policy = SpecPolicy(self.config, engine.slots)
         self._epoch = np.zeros(engine.slots, np.int64)
         self._history: list[list[int]] = [[] for _ in range(engine.slots)]  # host copy of each slot's tokens
-        self._flights: collections.deque[_Flight] = collections.deque()
+        # Steps dispatched and not yet read, by sequence number (a runner stopped mid-step never reads
+        # its last one: such entries only make later bounds looser, and are dropped after a while).
+        self._flights: dict[int, _Flight] = {}
+        self._seq = 0
         self._context_sharding = NamedSharding(engine.mesh, P("data", None))
         self._compiled: dict = {}
         self._new_context()
@@ -180,7 +182,7 @@ class SpeculativeEngine:
         if drafting is None:
             self.context = self._fn("append")(e.state, self.context, active)
             np.minimum(e.positions, top, out=e.positions)
-            pending = PendingSpec(self, None, e.step(active))
+            pending = PendingSpec(self, self._seq, None, e.step(active))
             grow, drafting = active.astype(np.int64), np.zeros_like(active)
         else:
             needed = int(e.positions[active].max())
@@ -188,18 +190,22 @@ class SpeculativeEngine:
                 e.params, e.state, self.context, active, drafting
             )
             grow = active * (1 + self.config.k * drafting)
-            pending = PendingSpec(self, packed, None)
-        self._flights.append(_Flight(grow, self._epoch.copy(), drafting))
+            pending = PendingSpec(self, self._seq, packed, None)
+        self._flights = {seq: f for seq, f in self._flights.items() if seq > self._seq - 8}
+        self._flights[self._seq] = _Flight(grow, self._epoch.copy(), drafting)
+        self._seq += 1
         if drafting.any():
             e.positions += grow
         np.minimum(e.positions, top, out=e.positions)
         return pending
 
-    def _settle(self, slot: int, flight: _Flight, step: int, drafted: int, emitted: int) -> None:
+    def _settle(self, seq: int, slot: int, flight: _Flight, step: int, drafted: int, emitted: int) -> None:
         """A verify step's exact outcome for one slot: its position and the policy's evidence."""
         if flight.epoch[slot] != self._epoch[slot]:
             return  # the slot holds another request now
-        later = sum(int(f.grow[slot]) for f in self._flights if f.epoch[slot] == self._epoch[slot])
+        later = sum(
+            int(f.grow[slot]) for s, f in self._flights.items() if s > seq and f.epoch[slot] == self._epoch[slot]
+        )
         self.engine.positions[slot] = min(step + later, self.engine.max_len - 1)
         if flight.drafting[slot]:
             self.policy.observe(slot, drafted, emitted)
