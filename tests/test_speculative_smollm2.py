@@ -16,14 +16,14 @@ from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
-SENTENCE = (
-    "Teh comunity garden meeting was held on Tuesday in the library. About thirty neighbours came, and most "
-    "of them brought vegetables from there own plots to share with everyone."
+PARAGRAPH = (
+    "Teh quick brown fox jumpd over the lazzy dog. It was a sunny day and the fox was verry happy. The dog, "
+    "however, did not enjoy being jumpd over, and he barked loudly at the fox untill it ran away into the forrest."
 )
-CODE = "def area(x, h):\n    # x is the width\n    half = x / 2\n    return half * h + x * 0\n"
+CODE = "def area(width, height):\n    half = width / 2\n    return half * height\n"
 EDITS = [
-    "Fix the spelling in this text and write it out in full:\n\n" + SENTENCE,
-    "Rename the variable x to width in this code and write out the whole code:\n\n" + CODE,
+    "Fix the spelling in this paragraph and write it out in full:\n\n" + PARAGRAPH,
+    "Add a docstring to this function and write out the whole function:\n\n" + CODE,
 ]
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234, frequency_penalty=0.2, logit_bias={13: -2.0})
 
