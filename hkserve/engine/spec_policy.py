@@ -5,7 +5,7 @@ spare compute of a small batch absorbs and a large one does not).
 A slot drafts until its recent verify steps emit fewer than `min_tokens` tokens each on average;
 then it decodes plainly for a back-off that doubles each time it fails again (capped), and probes
 once more, or sooner when the lookup, run on the host over the tokens it emits meanwhile, would have
-proposed the right next token `wake` times in a row (an edit's output starts copying after its
+proposed the right next token from its longest suffix `wake` times in a row (an edit's output starts copying after its
 preamble). A new request in the slot starts afresh.
 """
 

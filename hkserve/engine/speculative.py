@@ -156,10 +156,11 @@ class SpeculativeEngine:
         the lookup would have proposed (SpecPolicy.shadow)."""
         if epoch != self._epoch[slot]:
             return
-        history = self._history[slot]
+        history, sizes = self._history[slot], self.config.ngram_sizes
         for token in tokens:
             if plain and self.policy.resting(slot):
-                self.policy.shadow(slot, first_draft(history, self.config.ngram_sizes) == token.id)
+                # Only the longest suffix counts: short matches are often right by chance in free text.
+                self.policy.shadow(slot, first_draft(history, sizes) == (token.id, max(sizes)))
             history.append(token.id)
 
     def prefill(self, slot: int, prompt_ids, settings=None) -> _PrefillRead:

@@ -40,9 +40,10 @@ def propose(context: jax.Array, last: jax.Array, k: int, sizes: Sequence[int]) -
     return Drafts(jnp.take_along_axis(context, idx, axis=1), count)
 
 
-def first_draft(tokens: Sequence[int], sizes: Sequence[int]) -> int | None:
-    """The first token `propose` would draft after `tokens`, on the host: what a slot decoding plainly
-    would have been offered, so its policy can see when drafting would pay again."""
+def first_draft(tokens: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
+    """(the first token `propose` would draft after `tokens`, the length of the suffix that matched),
+    on the host: what a slot decoding plainly would have been offered, so its policy can see when
+    drafting would pay again."""
     last = len(tokens) - 1
     for n in sorted(set(sizes), reverse=True):
         if last < n:
@@ -50,5 +51,5 @@ def first_draft(tokens: Sequence[int], sizes: Sequence[int]) -> int | None:
         suffix = list(tokens[last - n + 1 :])
         for end in range(last - 1, n - 2, -1):
             if tokens[end] == suffix[-1] and list(tokens[end - n + 1 : end + 1]) == suffix:
-                return tokens[end + 1]
+                return tokens[end + 1], n
     return None
