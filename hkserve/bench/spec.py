@@ -69,6 +69,10 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measurements per side; the median is reported")
     p.add_argument("--k", type=int, default=SpecConfig.k, help="drafts per verify step")
     p.add_argument("--max-len", type=int, default=512, help="context length of each slot")
+    p.add_argument(
+        "--workloads", default="edit,chat,chat16", help="comma list of the workloads to run (edit, chat, chat16)"
+    )
+    p.add_argument("--chat-prompts", type=int, default=len(CHAT), help="open questions used (1..4)")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
 
 
@@ -120,14 +124,17 @@ def run(args) -> int:
     config = store.config(args.model, "f32")
     model, params, tokenizer = build_model(config), store.params(args.model, weights="f32"), store.tokenizer(args.model)
     chat = lambda text: tokenizer.encode_chat([{"role": "user", "content": text}])
-    edit_prompts, chat_prompts = [chat(t) for t in EDIT], [chat(t) for t in CHAT]
+    edit_prompts, chat_prompts = [chat(t) for t in EDIT], [chat(t) for t in CHAT[: args.chat_prompts]]
+    wanted = args.workloads.split(",")
     _log(f"edit prompts: {[len(p) for p in edit_prompts]} tokens; chat prompts: {[len(p) for p in chat_prompts]}")
     report = {}
     for name, slots, prompts, concurrent in (
         ("edit", 1, edit_prompts, False),
         ("chat", 1, chat_prompts, False),
-        ("chat16", 16, chat_prompts * 4, True),
+        ("chat16", 16, (chat_prompts * 16)[:16], True),
     ):
+        if name not in wanted:
+            continue
         _log(f"{name}: {slots} slots, compiling ...")
         plain = Engine(model, params, slots=slots, max_len=args.max_len, prefill_buckets=(64, 256))
         spec = SpeculativeEngine(plain, SpecConfig(k=args.k))
