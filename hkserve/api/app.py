@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hkserve.api import formats
+from hkserve.api import formats, spec_metrics
 from hkserve.api.generation import Generation, Update
 from hkserve.api.guard import GuardMiddleware
 from hkserve.api.limits import ServerLimits
@@ -73,6 +73,7 @@ def create_app(
     app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
     created = int(time.time())
     metrics = Metrics(runner.stats)
+    spec_metrics.register(metrics.registry, runner)
     app.state.metrics = metrics
     engine = getattr(runner, "engine", None)  # a fake runner (tests) has none: the tokenizer's vocabulary
     compiler = GrammarCompiler(tokenizer, engine.model.config.vocab_size if engine else tokenizer.vocab_size)

@@ -1,4 +1,4 @@
-"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, structured, vq."""
+"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, structured, spec, vq."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hkserve.bench import moe as bench_moe
 from hkserve.bench import prefix as bench_prefix
 from hkserve.bench import serve as bench_serve
 from hkserve.bench import soak as bench_soak
+from hkserve.bench import spec as bench_spec
 from hkserve.bench import steady as bench_steady
 from hkserve.bench import structured as bench_structured
 from hkserve.bench import vq as bench_vq
@@ -112,6 +113,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("structured", help="decode tok/s with every slot constrained by a JSON schema vs none")
     bench_structured.add_arguments(p)
     p.set_defaults(func=bench_structured.run)
+    p = kinds.add_parser("spec", help="tok/s with speculative decoding (n-gram lookup) on vs off: edit and chat")
+    bench_spec.add_arguments(p)
+    p.set_defaults(func=bench_spec.run)
 
     p = kinds.add_parser("vq", help="per-token decode time and memory per slot: Transformer-VQ vs KV by context")
     bench_vq.add_arguments(p)

@@ -6,6 +6,7 @@ import jax
 
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
+from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
@@ -43,7 +44,8 @@ def prefix_cache_mode(args, config) -> str:
 
 def load_engine(args, slots: int, hosts=None):
     """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
-    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards."""
+    (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards. Wrapped in a
+    SpeculativeEngine with `--speculative ngram`."""
     store = ModelStore()
     if args.model == DEFAULT_MODEL and not store.exists(args.model):
         pull(args.model, store)
@@ -54,7 +56,7 @@ def load_engine(args, slots: int, hosts=None):
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
     kernels = resolve(getattr(args, "kernels", "auto"), config.dtype, config.memory, mesh.size)
-    return Engine(
+    engine = Engine(
         build_model(config, kernels),
         params,
         slots=slots,
@@ -65,6 +67,7 @@ def load_engine(args, slots: int, hosts=None):
         structured=True,  # structured outputs and tool calls: their split step compiles in warmup
         prefix_cache=prefix_cache_mode(args, config),
     )
+    return speculative.wrap(engine, args, hosts)
 
 
 def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):

@@ -19,6 +19,7 @@ from hkserve.cli.loading import add_prefix_cache_argument
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, run_server
+from hkserve.cli.speculative import add_arguments as add_speculative_arguments
 from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_prefix_cache_argument(p)
     add_limit_arguments(p.add_argument_group("client limits (what one client may cost the server)"))
+    add_speculative_arguments(p)
     g = p.add_argument_group("multi-host (see docs/deploy.md)")
     g.add_argument("--coordinator", default=None, help="HOST:PORT of host 0 (env HKSERVE_COORDINATOR)")
     g.add_argument("--num-hosts", type=int, default=None, help="hosts serving this model (env HKSERVE_NUM_HOSTS)")
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="complete every prompt of a JSONL file (resumable)")
 
     add_sample_arguments(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=cmd_sample)
 
     add_bench_parser(sub)
@@ -163,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
     add_kernels_argument(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("logits", help="float32 logits of a full forward pass at every position")

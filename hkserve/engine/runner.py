@@ -213,6 +213,8 @@ class InferenceRunner:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         request.sampling.check_vocab(vocab)
+        if request.grammar is not None and not getattr(self.engine, "supports_grammars", True):
+            raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
         wanted = max(request.logprobs, request.prompt_logprobs or 0)
         if wanted > self.engine.n_top:
             raise ValueError(f"at most {self.engine.n_top} top logprobs are available, {wanted} requested")
@@ -303,7 +305,9 @@ class InferenceRunner:
         for slot, stream in flight.owners:
             if flight.scores is not None:
                 self._emit_prompt(stream, flight.scores.read())
-            self._emit(slot, stream, tokens[slot] if flight.by_slot else tokens[0])
+            row = tokens[slot] if flight.by_slot else tokens[0]
+            for token in row if isinstance(row, list) else [row]:  # a speculative step's row: a run
+                self._emit(slot, stream, token)
 
     def _publish_stats(self) -> None:
         with self._lock:
