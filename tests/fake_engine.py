@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hkserve.engine.engine import ContextLengthError, Token
-from hkserve.engine.runner import Event, RequestStream
+from hkserve.engine.outputs import Token
+from hkserve.engine.requests import Event, RequestStream
+from hkserve.engine.state import ContextLengthError
 
 
 @dataclass(frozen=True)

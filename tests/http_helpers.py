@@ -13,8 +13,9 @@ import uvicorn
 from helpers import require_fixtures
 
 from hkserve.api.limits import ServerLimits, uvicorn_config
-from hkserve.engine.engine import Token
-from hkserve.engine.runner import Event, Overloaded, RequestStream, RunnerStats
+from hkserve.engine.outputs import Token
+from hkserve.engine.requests import Event, Overloaded, RequestStream
+from hkserve.engine.runner import RunnerStats
 
 
 class LiveServer:

@@ -11,7 +11,8 @@ import numpy as np
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams

@@ -19,7 +19,8 @@ from http_helpers import FakeRunner, LiveServer, validate
 from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import Event, InferenceRunner, Overloaded, Request, RequestStream
+from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 

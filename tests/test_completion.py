@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from hkserve.engine.completion import Completion, GenerationFailed
-from hkserve.engine.engine import Token
-from hkserve.engine.runner import Event, Request, RequestStream
+from hkserve.engine.outputs import Token
+from hkserve.engine.requests import Event, Request, RequestStream
 
 TEXT = "Hello world! The quick brown fox 🌍 jumps."
 

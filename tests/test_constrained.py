@@ -21,7 +21,8 @@ from hkserve.api.tools import ToolCallParser, parse_tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec, full_bitmask
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams, apply_bitmask, make_settings, sample
 from hkserve.train.vocab import byte_tokenizer

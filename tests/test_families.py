@@ -12,7 +12,8 @@ from family_fixtures import HF, fixture, full_logits, jitted_forward, reference
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.memory import init_memory
 from hkserve.model.sharding import param_specs, parse_mesh

@@ -11,7 +11,8 @@ from family_fixtures import GGUF, fixture, full_logits, reference
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 
 # (bos, eos) as llama.cpp's converter wrote them (Qwen's HF configs have none, Phi-3's EOS is out of vocabulary)

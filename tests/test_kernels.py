@@ -17,7 +17,8 @@ from helpers import tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch, ffi, pack
 from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model.build import build_model

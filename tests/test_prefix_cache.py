@@ -17,7 +17,8 @@ from helpers import tiny_config, tiny_vq_config
 from hkserve.engine.engine import Engine
 from hkserve.engine.prefix_cache import PrefixCache, Reuse
 from hkserve.engine.prefix_copy import plan_chunks
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 from hkserve.multihost.hosts import LeaderEngine, follow

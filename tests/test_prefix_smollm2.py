@@ -14,7 +14,8 @@ from http_helpers import LiveServer
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
 from hkserve.engine.prefix_cache import DEFAULT_MODE, PrefixCache
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
-from hkserve.engine.engine import ContextLengthError, Engine
-from hkserve.engine.runner import InferenceRunner, Overloaded, Request
+from hkserve.engine.engine import Engine
+from hkserve.engine.requests import Overloaded, Request
+from hkserve.engine.runner import InferenceRunner
+from hkserve.engine.state import ContextLengthError
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams

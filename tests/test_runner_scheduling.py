@@ -10,7 +10,8 @@ import threading
 import pytest
 from fake_engine import FakeEngine, events, final_event, token_ids
 
-from hkserve.engine.runner import InferenceRunner, Overloaded, Request, RunnerStats
+from hkserve.engine.requests import Overloaded, Request
+from hkserve.engine.runner import InferenceRunner, RunnerStats
 
 
 def make(slots: int = 1, **kwargs) -> tuple[FakeEngine, InferenceRunner]:

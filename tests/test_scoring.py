@@ -12,7 +12,8 @@ from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 

@@ -8,7 +8,8 @@ import pytest
 from helpers import hkserve
 
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from hkserve.api.spec_metrics import register
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig, SpecPolicy
 from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model

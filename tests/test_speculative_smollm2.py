@@ -10,7 +10,8 @@ import pytest
 
 from hkserve.engine.completion import Completion
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
 from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model

@@ -12,7 +12,8 @@ import pytest
 from helpers import tiny_vq_config
 
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams

@@ -13,7 +13,8 @@ from test_sharding import assert_meshes_agree, run_worker
 from hkserve.checkpoint.quantize import convert_params, quantize_int8
 from hkserve.cli.eval_ppl import perplexity
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams

@@ -43,7 +43,7 @@ from hkserve.api.structured import FieldError, output_spec
 from hkserve.api.tools import Tools, parse_tools, render_messages
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import Grammar, GrammarCompiler, GrammarError, GrammarSpec
-from hkserve.engine.engine import ContextLengthError, check_context
+from hkserve.engine.state import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 OPEN_PATHS = {"/health", "/metrics"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hkserve.api.generation import Generation, Update
 from hkserve.api.tools import ToolCallParser, Tools
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.engine import ScoredToken, Token
+from hkserve.engine.outputs import ScoredToken, Token
 
 
 class _Format:

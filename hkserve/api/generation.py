@@ -15,8 +15,8 @@ from hkserve.api.protocol import APIError, domain_error
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.completion import Completion, GenerationFailed, usage
 from hkserve.engine.constrained import Grammar
-from hkserve.engine.engine import ScoredToken, Token
-from hkserve.engine.runner import Event, Overloaded, Request
+from hkserve.engine.outputs import ScoredToken, Token
+from hkserve.engine.requests import Event, Overloaded, Request
 from hkserve.model.sampling import SamplingParams
 
 log = logging.getLogger("hkserve.api")

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from hkserve.engine.engine import ContextLengthError
-from hkserve.engine.runner import Overloaded
+from hkserve.engine.requests import Overloaded
+from hkserve.engine.state import ContextLengthError
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 MAX_N = 16

@@ -17,7 +17,8 @@ import numpy as np
 
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.config import default_weights
 from hkserve.model.sampling import SamplingParams

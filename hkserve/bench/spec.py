@@ -18,7 +18,8 @@ import time
 
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
 from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model

@@ -9,7 +9,7 @@ import time
 from hkserve.cli.generate_ids import run_generate_ids
 from hkserve.cli.loading import load_runner
 from hkserve.engine.completion import Completion
-from hkserve.engine.runner import Request
+from hkserve.engine.requests import Request
 from hkserve.model.sampling import SamplingParams
 
 

@@ -8,7 +8,8 @@ import os
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import load_engine
 from hkserve.cli.token_ids import prompt_ids
-from hkserve.engine.runner import InferenceRunner, Request
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.sampling import SamplingParams
 
 

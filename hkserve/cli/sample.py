@@ -32,8 +32,8 @@ from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
 from hkserve.cli.loading import add_prefix_cache_argument, load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.constrained import GrammarCompiler
-from hkserve.engine.engine import check_context
-from hkserve.engine.runner import Overloaded, Request
+from hkserve.engine.requests import Overloaded, Request
+from hkserve.engine.state import check_context
 from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.sampling import SamplingParams
 

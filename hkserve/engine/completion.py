@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from hkserve.checkpoint.tokenizer import Tokenizer
-from hkserve.engine.engine import ScoredToken, Token
-from hkserve.engine.runner import Event, RequestStream
+from hkserve.engine.outputs import ScoredToken, Token
+from hkserve.engine.requests import Event, RequestStream
 from hkserve.engine.textstream import TextStream
 
 

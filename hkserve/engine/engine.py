@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
 from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
+from hkserve.engine.state import ContextLengthError, DecodeState, DecodeStateLost, check_context, window_sizes
 from hkserve.model.build import param_shapes
-from hkserve.model.memory import KVMemory, init_memory, reset_slot
+from hkserve.model.memory import init_memory, reset_slot
 from hkserve.model.model import Model
 from hkserve.model.sampling import (
-    SampleOutput,
     SampleSettings,
     SamplingParams,
     TokenHistory,
@@ -36,50 +36,8 @@ from hkserve.model.sampling import (
     sample,
 )
 from hkserve.model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
-from hkserve.model.vq_memory import VQMemory
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-
-
-class ContextLengthError(ValueError):
-    """A request that cannot fit a slot's context. One message for every front end (HTTP, the CLI),
-    carrying all the numbers a client needs to shorten it."""
-
-    def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int):
-        super().__init__(
-            f"This model's maximum context length is {max_len} tokens; the request needs "
-            f"{prompt_tokens + max_tokens} ({prompt_tokens} prompt tokens + {max_tokens} to generate)"
-        )
-        self.max_len, self.prompt_tokens, self.max_tokens = max_len, prompt_tokens, max_tokens
-
-
-def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
-    """Refuse a request whose prompt and generation cannot fit a context of `max_len` tokens."""
-    if prompt_tokens == 0:
-        raise ValueError("the prompt is empty")
-    if prompt_tokens + max_tokens > max_len:
-        raise ContextLengthError(max_len, prompt_tokens, max_tokens)
-
-
-class DecodeStateLost(RuntimeError):
-    """A device call failed after its inputs were donated: the decode state of every slot is gone, so
-    every running request is lost and the engine must be reset."""
-
-
-class DecodeState(NamedTuple):
-    memory: KVMemory | VQMemory  # by config.memory
-    tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
-    settings: SampleSettings  # [B] per-slot sampling settings ([B, V] logit bias)
-    history: TokenHistory  # [B, V] what the penalties see
-
-
-def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
-    """Attention windows: powers of two from `smallest`, capped by (and always including) max_len."""
-    sizes, w = [], smallest
-    while w < max_len:
-        sizes.append(w)
-        w *= 2
-    return tuple(sizes) + (max_len,)
 
 
 class Engine:
@@ -442,84 +400,3 @@ class Engine:
                 self.positions[0] = w - 1
                 self.step_sample(self.step_forward(only_first), self._all_allowed_rows).read()
         self.positions[:] = 0
-
-
-class PendingLogits(NamedTuple):
-    """The first half of a split step: its logits, still on the device."""
-
-    logits: jax.Array  # [B, V]
-    active: np.ndarray  # [B] bool
-
-
-class Token(NamedTuple):
-    """One sampled token as the host sees it."""
-
-    id: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely alternatives (id, logprob), best first
-
-
-class ScoredToken(NamedTuple):
-    """One prompt token scored under the model given the tokens before it."""
-
-    id: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely tokens at its position (id, logprob), best first
-    rank: int  # 1 + how many tokens were more likely
-
-
-def score_targets(logits: jax.Array, targets: jax.Array, k: int) -> jax.Array:
-    """Log-softmax of logits [T, V] at targets [T]: [T, 3 + 2k] float32 rows of (target id, its
-    logprob, its rank, k top ids, k top logprobs), one array for one device→host copy."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
-    rank = 1 + jnp.sum(logprobs > chosen, axis=-1, keepdims=True)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
-    f32 = jnp.float32
-    return jnp.concatenate(
-        [targets.astype(f32)[:, None], chosen, rank.astype(f32), top_ids.astype(f32), top_logprobs], axis=-1
-    )
-
-
-def pack(out: SampleOutput) -> jax.Array:
-    """All of a sample in one float32 array [B, 2 + 2K], so one device→host copy carries it.
-    Token ids are exact in float32 below 2**24."""
-    f32 = jnp.float32
-    return jnp.concatenate(
-        [out.token.astype(f32)[:, None], out.logprob[:, None], out.top_ids.astype(f32), out.top_logprobs], axis=-1
-    )
-
-
-class PendingTokens:
-    """A prefill's or step's sampled tokens on the device, with the host copy already started:
-    `read()` later costs no device wait if the step has finished."""
-
-    def __init__(self, packed: jax.Array):
-        self.packed = packed
-        packed.copy_to_host_async()
-
-    def read(self) -> list[Token]:
-        host = np.asarray(self.packed)
-        k = (host.shape[1] - 2) // 2
-        ids = host[:, 2 : 2 + k].astype(np.int64).tolist()
-        lps = host[:, 2 + k :].tolist()
-        return [Token(int(row[0]), float(row[1]), list(zip(i, lp))) for row, i, lp in zip(host, ids, lps)]
-
-
-class PendingScores:
-    """A scoring prefill's per-chunk scores on the device, host copies started (see PendingTokens)."""
-
-    def __init__(self, chunks: list[tuple[jax.Array, int]]):
-        self.chunks = chunks  # (scores [T, 3 + 2K], real positions) per prefill chunk
-        for scores, _ in chunks:
-            scores.copy_to_host_async()
-
-    def read(self) -> list[ScoredToken]:
-        """Prompt tokens 1.. scored (the first has nothing before it to be scored on)."""
-        host = np.concatenate([np.asarray(scores)[:n] for scores, n in self.chunks])[:-1]
-        k = (host.shape[1] - 3) // 2
-        ids = host[:, 3 : 3 + k].astype(np.int64).tolist()
-        lps = host[:, 3 + k :].tolist()
-        return [
-            ScoredToken(int(row[0]), float(row[1]), list(zip(i, lp)), int(row[2])) for row, i, lp in zip(host, ids, lps)
-        ]

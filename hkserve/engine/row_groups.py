@@ -7,7 +7,7 @@ scored), never on the others waiting: that, with the fixed rows per program, kee
 
 from __future__ import annotations
 
-from hkserve.engine.engine import PendingTokens, Token
+from hkserve.engine.outputs import PendingTokens, Token
 
 
 class RowGroups:

@@ -21,7 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hkserve.engine.engine import Engine, PendingTokens, Token
+from hkserve.engine.engine import Engine
+from hkserve.engine.outputs import PendingTokens, Token
 from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
 from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
 from hkserve.model.ngram import first_draft

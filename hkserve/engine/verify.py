@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from hkserve.engine.engine import DecodeState, pack
+from hkserve.engine.outputs import pack
+from hkserve.engine.state import DecodeState
 from hkserve.model.model import Model
 from hkserve.model.ngram import propose
 from hkserve.model.sampling import TokenHistory, sample

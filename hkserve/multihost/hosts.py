@@ -22,8 +22,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from hkserve.engine.engine import ContextLengthError
 from hkserve.engine.prefix_cache import Reuse
+from hkserve.engine.state import ContextLengthError
 from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import parse_mesh
 from hkserve.multihost.control import Follower, Leader, load_secret
