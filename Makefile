@@ -21,7 +21,7 @@ serve: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)
