@@ -380,8 +380,10 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
-        each continuation window of long prompts, each decode window. len(buckets) + 2 × len(windows)
-        programs at most, whatever the number of slots (the step is one program for all of them)."""
+        each continuation window of long prompts, each decode window: len(buckets) + 2 × len(windows)
+        programs, whatever the number of slots (the step is one program for all of them), plus the
+        batched-prefill rows programs, the prefix cache's suffix and copy programs and the split step
+        of constrained batches where those are on."""
         for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
             self.prefill(0, [0] * bucket)
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
