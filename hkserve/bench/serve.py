@@ -20,10 +20,11 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
+
+from hkserve.bench.clients import run_clients
 
 PROMPTS = [
     "Once upon a time, in a small village,",
@@ -120,25 +121,10 @@ def _one_request(url: str, model: str, prompt: str, max_tokens: int, seed: int) 
 
 
 def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    results, lock, counter = [], threading.Lock(), iter(range(requests))
-
-    def client():
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            r = _one_request(url, model, PROMPTS[i % len(PROMPTS)], max_tokens, seed=i)
-            with lock:
-                results.append(r)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return summarize(results, time.perf_counter() - started)
+    results, wall = run_clients(
+        concurrency, requests, lambda i: _one_request(url, model, PROMPTS[i % len(PROMPTS)], max_tokens, seed=i)
+    )
+    return summarize(results, wall)
 
 
 def summarize(results: list[dict], wall: float) -> dict:

@@ -9,12 +9,12 @@ same workload measures batched prefill's effect on TTFT too.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
 import numpy as np
 
+from hkserve.bench.clients import run_clients
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.requests import Request
@@ -62,22 +62,4 @@ def _one(runner: InferenceRunner, ids: list[int], max_tokens: int, seed: int) ->
 def runner_phase(runner: InferenceRunner, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int):
     """`concurrency` client threads, `requests` in all (prompt i % len(prompts), seed i) → the
     per-request results and the wall time."""
-    results, lock, counter = [], threading.Lock(), iter(range(requests))
-
-    def client():
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            r = _one(runner, prompts[i % len(prompts)], max_tokens, seed=i)
-            with lock:
-                results.append(r)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results, time.perf_counter() - started
+    return run_clients(concurrency, requests, lambda i: _one(runner, prompts[i % len(prompts)], max_tokens, seed=i))
