@@ -17,6 +17,7 @@ from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import load_engine, serving_weights
 from hkserve.engine.engine import Engine
+from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.build import build_model
 from hkserve.model.config import default_weights
 from hkserve.model.sampling import SamplingParams
@@ -119,4 +120,15 @@ def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compile
     active[[0, 7, 40, 63]] = True
     tokens = [engine.step(active).read() for _ in range(3)]
     assert [f.read()[0].id for f in firsts] and len(tokens) == 3
+    assert compiles == []
+
+
+def test_prefix_suffixes_of_any_length_and_window_compile_nothing_after_warmup(compiles):
+    engine = Engine(MODEL, PARAMS, slots=2, max_len=256, prefill_buckets=(8, 32, 128), prefix_cache="on")
+    engine.warmup()
+    compiles.clear()
+    prompt = np.random.default_rng(1).integers(0, 96, 250).tolist()
+    engine.prefill(0, prompt[:200], SamplingParams()).read()
+    for reused, total in ((150, 153), (100, 130), (16, 60), (140, 250)):  # 3..110 suffix tokens, windows 128/256
+        engine.prefill(1, prompt[:total], SamplingParams(), Reuse(source=0, length=reused)).read()
     assert compiles == []
