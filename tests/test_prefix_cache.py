@@ -16,7 +16,7 @@ from helpers import tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.prefix_cache import PrefixCache, Reuse
-from hkserve.engine.prefix_copy import plan_chunks, suffix_buckets
+from hkserve.engine.prefix_copy import plan_chunks
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -90,10 +90,6 @@ def test_chunk_plans():
     assert plan_chunks(70, 0, (8, 16, 32), lambda s: 128) == [(0, 32, 32, 0), (32, 64, 32, 128), (64, 70, 32, 128)]
     assert plan_chunks(105, 100, (8, 16, 32), window) == [(100, 105, 8, 128)]  # a short suffix: small bucket
     assert plan_chunks(150, 128, (8, 16, 32), lambda s: 256) == [(128, 150, 32, 256)]
-    # a suffix takes every other bucket down from the largest: 12 tokens pad to 32, not 16
-    assert suffix_buckets((8, 16, 32)) == (8, 32) and suffix_buckets((16, 32, 64, 128, 256, 512)) == (32, 128, 512)
-    assert plan_chunks(112, 100, (8, 16, 32), window) == [(100, 112, 32, 128)]
-    assert plan_chunks(12, 0, (8, 16, 32), window) == [(0, 12, 16, 0)]  # an uncached prompt keeps them all
     assert plan_chunks(130, 64, (8,), window, fixed=64) == [(64, 128, 64, 128), (128, 130, 64, 128)]
     with pytest.raises(ValueError):
         plan_chunks(130, 65, (8,), window, fixed=64)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
-from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks, suffix_buckets
+from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
 from hkserve.engine.state import ContextLengthError, DecodeState, DecodeStateLost, check_context, window_sizes
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import init_memory, reset_slot
@@ -230,12 +230,12 @@ class Engine:
 
     def continuation_programs(self) -> list[tuple[int, int]]:
         """(bucket, window) of every chunk that does not start a slot: a long prompt's later chunks, and
-        with prefix caching a suffix's chunks (its buckets at any window; exact: its one chunk shape)."""
+        with prefix caching a suffix's chunks (any bucket, any window; exact: its one chunk shape)."""
         if self.prefill_chunk:
             chunk = self.prefill_chunk
             return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
         if self.prefix_cache == "on":
-            return [(b, w) for w in self.windows for b in suffix_buckets(self.prefill_buckets)]
+            return [(b, w) for w in self.windows for b in self.prefill_buckets]
         return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
 
     def _prefill_chunk(

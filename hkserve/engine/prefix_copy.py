@@ -39,8 +39,7 @@ def plan_chunks(
     position's KV is computed through the same program whether or not a prefix was reused. Else the
     largest bucket bounds a chunk; an uncached prompt's first chunk is padded to the smallest bucket
     holding it and its later ones to the largest (one program per window), and a suffix after a reused
-    prefix is padded chunk by chunk to the smallest of `suffix_buckets(buckets)` holding it (short
-    suffixes stay cheap, and the warm-up compiles half the buckets per window, not all).
+    prefix is padded chunk by chunk to the smallest bucket holding it (short suffixes stay cheap).
     """
     if fixed:
         if start % fixed:
@@ -52,20 +51,9 @@ def plan_chunks(
         e = min(n, s + largest)
         if s and not start:
             chunks.append(Chunk(s, e, largest, window(s)))
-        elif start:
-            padded = suffix_buckets(buckets)
-            chunks.append(Chunk(s, e, padded[bisect.bisect_left(padded, e - s)], window(s)))
         else:
-            chunks.append(Chunk(s, e, buckets[bisect.bisect_left(buckets, e - s)], 0))
+            chunks.append(Chunk(s, e, buckets[bisect.bisect_left(buckets, e - s)], window(s) if s else 0))
     return chunks
-
-
-def suffix_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
-    """The buckets a suffix chunk is padded to: every other one, counting down from the largest (which
-    long prompts' later chunks use anyway). A suffix may start at any window, so each of these costs a
-    program per window at warm-up: (16, 32, ..., 512) gives 3 × windows programs instead of 6 × windows,
-    for at most 4x the padding of the nearest bucket (a 33-token suffix is padded to 128, not 64)."""
-    return tuple(sorted(buckets)[::-1][::2][::-1])
 
 
 def check_reuse(
