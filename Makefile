@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint install clean mutate
+.PHONY: serve test test-slow lint install clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# The long checks kept out of `make test` (@pytest.mark.slow; docs/testing.md lists them).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)

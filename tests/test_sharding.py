@@ -40,6 +40,7 @@ def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
     assert_meshes_agree(run_worker("tiny", str(tmp_path / "tiny.npz")))
 
 
+@pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite
 @pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
 def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):
     results = run_worker(

@@ -82,6 +82,7 @@ def test_models_lists_the_pulled_model(smollm2_home):
     assert out.startswith("smollm2-135m-instruct\t")
 
 
+@pytest.mark.slow  # ~90 s; test_runner_scheduling.py checks cancel timing on the FakeEngine in seconds
 def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smollm2, golden):
     import random
     import threading
