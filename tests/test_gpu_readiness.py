@@ -129,6 +129,6 @@ def test_prefix_suffixes_of_any_length_and_window_compile_nothing_after_warmup(c
     compiles.clear()
     prompt = np.random.default_rng(1).integers(0, 96, 250).tolist()
     engine.prefill(0, prompt[:200], SamplingParams()).read()
-    for reused, total in ((150, 153), (100, 130), (16, 60), (140, 250)):  # 3..110 suffix tokens (1-4 chunks), both windows
+    for reused, total in ((150, 153), (100, 130), (16, 60), (140, 250)):  # 3..110 tokens, 1-4 chunks
         engine.prefill(1, prompt[:total], SamplingParams(), Reuse(source=0, length=reused)).read()
     assert compiles == []
