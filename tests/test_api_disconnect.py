@@ -35,6 +35,7 @@ class SteppedEngine(Engine):
     def hold(self) -> None:
         """From now on no step runs unless allowed (call while no runner drives the engine)."""
         self._permits = threading.Semaphore(0)
+        self.waiting.clear()
 
     def allow(self, steps: int) -> None:
         self._permits.release(steps)
@@ -88,12 +89,16 @@ def server(engine, smollm2):
 BODY = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
 
-def _stream_until_first_token(url: str) -> None:
-    """Stream a completion, read its first token chunk, disconnect."""
+def _stream_until_first_token(url: str, engine: SteppedEngine) -> None:
+    """Stream a completion, read its first token chunk, disconnect once the engine waits mid-generation
+    (were the loop between steps instead, it could sweep the cancel before the test reads the count).
+    The line iterator stays referenced: dropping it would close the connection early."""
     with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=WAIT) as resp:
         assert resp.status_code == 200
-        line = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        lines = resp.iter_lines()
+        line = next(line for line in lines if line.startswith("data: "))
         assert json.loads(line[len("data: ") :])["choices"][0]["finish_reason"] is None
+        assert engine.waiting.wait(WAIT), "the request never reached the held decode step"
 
 
 def _post_then_hang_up(url: str, engine: SteppedEngine) -> None:
@@ -111,7 +116,7 @@ def test_disconnect_mid_generation_frees_the_slot_at_once(server, stream):
     live, runner, engine = server
     engine.allow(3)  # the prefill's token and two steps' reach the client; the fourth step waits
     if stream:
-        _stream_until_first_token(live.url)
+        _stream_until_first_token(live.url, engine)
     else:
         _post_then_hang_up(live.url, engine)
     cancelled = runner.cancels.get(timeout=WAIT)  # the server saw the disconnect and cancelled
