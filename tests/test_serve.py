@@ -72,6 +72,8 @@ def test_503_while_warming_up_and_sigterm_lets_a_running_stream_finish(tiny_home
             str(port),
             "--slots",
             "2",
+            "--max-len",
+            "128",  # the shape of tests/test_sample.py's tiny runs: their compiled programs are reused
         ],
         env=env,
         stdin=subprocess.PIPE,
