@@ -20,6 +20,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.engine.json_budget import JsonBudget, JsonVocab
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark")
 # JSON without free whitespace: ", " and ": " separators only, so a small model cannot wander into
@@ -95,13 +96,21 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llg.LLTokenizer:
 
 
 class Grammar:
-    """A compiled grammar: `matcher()` starts a fresh matcher for one request."""
+    """A compiled grammar: `matcher()` starts a fresh matcher for one request. json_vocab: set for
+    json_object, whose replies the runner closes before the token budget runs out (json_budget.py)."""
 
-    def __init__(self, text: str, tokenizer: llg.LLTokenizer, spec: GrammarSpec):
-        self.text, self.tokenizer, self.spec = text, tokenizer, spec
+    def __init__(self, text: str, tokenizer: llg.LLTokenizer, spec: GrammarSpec, json_vocab: JsonVocab | None = None):
+        self.text, self.tokenizer, self.spec, self.json_vocab = text, tokenizer, spec, json_vocab
 
     def matcher(self) -> llg.LLMatcher:
         return llg.LLMatcher(self.tokenizer, self.text, log_level=0)
+
+
+def json_vocab(tokenizer: llg.LLTokenizer) -> JsonVocab:
+    """Each id's bytes and whether it is special (EOS and the like), as llguidance sees them."""
+    ids = range(tokenizer.vocab_size)
+    special = np.asarray([tokenizer.is_special_token(i) for i in ids])
+    return JsonVocab([b"" if special[i] else tokenizer.decode_bytes([i]) for i in ids], special)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -139,6 +148,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll: llg.LLTokenizer | None = None
+        self._json_vocab: JsonVocab | None = None
         self._lock = threading.Lock()
 
     @property
@@ -154,13 +164,19 @@ class GrammarCompiler:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.ll)
         if is_error:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {messages[0]}")
-        return Grammar(text, self.ll, spec)
+        if spec.kind != "json_object":
+            return Grammar(text, self.ll, spec)
+        with self._lock:
+            if self._json_vocab is None:
+                self._json_vocab = json_vocab(self._ll)
+        return Grammar(text, self.ll, spec, self._json_vocab)
 
 
 class Advance(NamedTuple):
     ok: bool  # the token was allowed
     ended: bool  # the grammar can take nothing more: the request is complete
     error: str = ""
+    cut: bool = False  # the budget closed the output early (json_budget.py): it ends with "length"
 
 
 class SlotGrammars:
@@ -172,6 +188,8 @@ class SlotGrammars:
     def __init__(self, slots: int, vocab_size: int):
         self.slots, self.vocab_size = slots, vocab_size
         self._matchers: dict[int, llg.LLMatcher] = {}
+        self._budgets: dict[int, JsonBudget] = {}  # json_object slots: closed before the budget ends
+        self._cut: set[int] = set()  # slots whose output a budget restricted
         self._bitmask = full_bitmask(slots, vocab_size)  # [B, W] reused each step
         self._executor: llg.LLExecutor | None = None
         self.observe: Callable[[float, int], None] | None = None
@@ -182,6 +200,8 @@ class SlotGrammars:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         self._matchers[slot] = matcher
+        if grammar.json_vocab is not None:
+            self._budgets[slot] = JsonBudget(grammar.json_vocab)
         row = full_bitmask(1, self.vocab_size)
         started = time.perf_counter()
         fill_next_token_bitmask(matcher, row, 0)
@@ -190,6 +210,8 @@ class SlotGrammars:
 
     def release(self, slot: int) -> None:
         self._matchers.pop(slot, None)
+        self._budgets.pop(slot, None)
+        self._cut.discard(slot)
 
     def constrained(self, active: np.ndarray) -> bool:
         """Whether any active slot [B] bool has a matcher (only then does a step need masks)."""
@@ -201,10 +223,14 @@ class SlotGrammars:
             return Advance(True, False)
         if not matcher.consume_token(token_id):
             return Advance(False, True, matcher.get_error())
-        return Advance(True, matcher.is_stopped())
+        if slot in self._budgets:
+            self._budgets[slot].feed(token_id)
+        return Advance(True, matcher.is_stopped(), cut=slot in self._cut)
 
-    def masks(self) -> np.ndarray:
-        """Bitmasks [B, W] of the next token: constrained slots' from their matchers, others all set."""
+    def masks(self, remaining: np.ndarray | None = None) -> np.ndarray:
+        """Bitmasks [B, W] of the next token: constrained slots' from their matchers, others all set.
+        remaining [B]: tokens each slot may still emit, this one included (max_tokens, context); near
+        its end a json_object slot keeps only the tokens that leave room to close its JSON."""
         started = time.perf_counter()
         self._bitmask[:] = -1
         pairs = list(self._matchers.items())
@@ -214,6 +240,10 @@ class SlotGrammars:
             if self._executor is None:
                 self._executor = llg.LLExecutor()
             fill_next_token_bitmask_par(self._executor, [(m, slot) for slot, m in pairs], self._bitmask)
+        if remaining is not None:
+            for slot, budget in self._budgets.items():
+                if budget.restrict(self._bitmask[slot], int(remaining[slot])):
+                    self._cut.add(slot)
         self._timed(started, len(pairs))
         return self._bitmask.copy()
 

@@ -222,7 +222,8 @@ class InferenceRunner:
             for flight in admitted:
                 self._deliver(flight)
                 dispatched.remove(flight)
-            dispatched.append(_InFlight(owners, self.engine.step_sample(forward, self.grammars.masks()), True))
+            masks = self.grammars.masks(self._remaining())
+            dispatched.append(_InFlight(owners, self.engine.step_sample(forward, masks), True))
         just_admitted = {slot for flight in admitted for slot, _ in flight.owners}
         for i in full:
             s = self._slots[i]
@@ -232,6 +233,15 @@ class InferenceRunner:
         self._in_flight = dispatched
         self._publish_stats()
         return bool(self._in_flight)
+
+    def _remaining(self) -> np.ndarray:
+        """[B] tokens each slot may still emit, the one this step samples included: its max_tokens, and
+        its context (a slot's `length` already counts this step's input token)."""
+        left = np.zeros(self.engine.slots, np.int64)
+        for i, s in enumerate(self._slots):
+            if s is not None:
+                left[i] = min(s.stream.request.max_tokens - s.produced, self.engine.max_len - s.length + 1)
+        return left
 
     def _deliver(self, flight: _InFlight) -> None:
         tokens = flight.pending.read()
@@ -402,7 +412,7 @@ class InferenceRunner:
             log.error("request %s: the grammar refused its own token %d: %s", request.id, token.id, step.error)
             self._finish(slot, stream, "error", "the grammar refused a token it allowed")
         elif token.id in request.stop_ids or (step is not None and step.ended):
-            self._finish(slot, stream, "stop")
+            self._finish(slot, stream, "length" if step is not None and step.cut else "stop")
         elif produced >= request.max_tokens:
             self._finish(slot, stream, "length")
 
