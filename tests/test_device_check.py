@@ -8,8 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 
+import tomllib
 from helpers import REPO, SHARED, require_fixtures
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 STAGES = ("setup", "convert-smollm2", "golden-tests", "bench-llama-1b", "bench-smollm2")
 
@@ -71,3 +75,35 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     assert notes["setup"] == notes["bench-llama-1b"] == ("skipped", "out of time")
     assert notes["convert-smollm2"][0] == "skipped" and "halves are not both here" in notes["convert-smollm2"][1]
     assert notes["golden-tests"] == notes["bench-smollm2"] == ("skipped", "no SmolLM2 store")
+
+
+def _names(path) -> set[str]:
+    return {canonicalize_name(line) for line in path.read_text().split("\n") if line and not line.startswith("#")}
+
+
+def test_the_carried_wheels_and_the_image_hold_everything_the_gpu_run_imports():
+    """A dependency in neither list fails the GPU run at its first import (llguidance once did), and that
+    is found only when a GPU is lent. Checked here through each distribution's own requirements, as
+    installed in this environment, evaluated for the machine's Python 3.12."""
+    carried = _names(REPO / "scripts" / "device-wheels.txt")
+    image = _names(REPO / "scripts" / "device-image.txt")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    golden_tests = ("pytest", "pytest-timeout", "openai", "jsonschema", "httpx")  # tests/test_api_live.py's
+    todo = [Requirement(r).name for r in project["dependencies"]] + list(golden_tests)
+    seen, missing = set(), {}
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in carried | image:
+            missing[name] = "neither carried nor in the image"
+            continue
+        if name in image:
+            continue  # the image's own packages come with what they need
+        for spec in metadata.requires(name) or ():
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"python_version": "3.12", "extra": ""}):
+                todo.append(req.name)
+    assert not missing, missing
+    assert "llguidance" in seen and "dm-haiku" in seen
