@@ -18,7 +18,8 @@
 #
 # DEVICE_CHECK_DRY_RUN=1: the same stages on JAX's CPU backend at toy sizes (a tiny random model, 1 and 2
 # slots, few steps; SmolLM2 only if its parts are present), using the current Python environment, for
-# tests/test_device_check.py. Other settings: DEVICE_CHECK_DEV (default .dev), DEVICE_CHECK_STASH (default
+# tests/test_device_check.py. DEVICE_CHECK_ONLY="STAGE ..." runs those stages alone (with setup and
+# convert-smollm2, which they need), e.g. to rerun a failed one in a second lease. Other settings: DEVICE_CHECK_DEV (default .dev), DEVICE_CHECK_STASH (default
 # /tmp/hkserve-dev), DEVICE_CHECK_BUDGET_S (default 480), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,11 +35,13 @@ if ((DRY)); then
     export JAX_PLATFORMS=cpu OMP_NUM_THREADS=1  # one torch thread: spinning OpenMP threads stall on a busy CPU
     RANDOM_MODEL=tiny-llama
     SIZES=(--slots 1,2 --hf-batches 1,2 --steps 3 --repeats 1 --max-len 128 --bandwidth-mb 64 --matmul-n 256)
+    PROFILE=(--slots 1,2 --max-len 128 --steps 4 --trace-steps 2)
     TESTS=(-k "models_lists or second_pull")  # the plumbing (store, fixtures, CLI), not minutes of CPU decoding
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
     RANDOM_MODEL=llama3.2-1b
     SIZES=(--slots 1,16,64 --hf-batches 1,16,64 --steps 32 --repeats 3 --max-len 2048 --bandwidth-mb 4096)
+    PROFILE=(--slots 1,64 --max-len 2048 --steps 64 --trace-steps 8)
     TESTS=()
 fi
 
@@ -83,6 +86,10 @@ bench() {  # bench JSON_NAME ARGS...: `hkserve bench engine --json`, its JSON li
     return "$rc"
 }
 
+profile() {  # where a decode step's time goes: scripts/device_profile.py
+    "$PY" scripts/device_profile.py --random "$RANDOM_MODEL" "${PROFILE[@]}" --out "$RESULTS"
+}
+
 case ${1:-} in
     --stage)
         [[ ${2:-} == 1 ]] || { echo "usage: $0 [--stage 1]" >&2; exit 2; }
@@ -117,6 +124,10 @@ note() { echo "== $*" | tee -a "$LOG"; }
 stage() {
     local name=$1 limit=$2 left start rc
     shift 2
+    if [[ -n ${DEVICE_CHECK_ONLY:-} && $name != setup && $name != convert-smollm2 && " $DEVICE_CHECK_ONLY " != *" $name "* ]]; then
+        skip "$name" "not in DEVICE_CHECK_ONLY"
+        return
+    fi
     left=$((DEADLINE - $(date +%s)))
     ((limit > left)) && limit=$left
     if ((limit < 20)); then
@@ -149,6 +160,7 @@ else
     skip golden-tests "no SmolLM2 store"
 fi
 stage bench-llama-1b 180 bench bench-llama-1b --random "$RANDOM_MODEL"
+stage profile-llama-1b 90 profile
 if ((HAVE_SMOLLM2)); then
     stage bench-smollm2 120 bench bench-smollm2 --model "$MODEL"
 else

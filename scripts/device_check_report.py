@@ -167,7 +167,10 @@ def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
         for name in BENCHES
         if (results / f"{name}.json").is_file()
     }
-    (results / "summary.json").write_text(json.dumps({"stages": stages, "tests": tests, "bench": benches}, indent=2))
+    profile = json.loads((results / "profile.json").read_text()) if (results / "profile.json").is_file() else None
+    (results / "summary.json").write_text(
+        json.dumps({"stages": stages, "tests": tests, "bench": benches, "profile": profile}, indent=2)
+    )
 
     print("== summary")
     for s in stages:
@@ -187,7 +190,28 @@ def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
         for n, tok_s in b["hkserve_tok_s"].items():
             theirs = f"transformers {peer[n]:.1f} tok/s ({tok_s / peer[n]:.2f}x)" if n in peer else "transformers -"
             print(f"  {n:>3} slots: hkserve {tok_s:.1f} tok/s, {theirs}")
+    if profile is not None:
+        print_profile(profile)
     return 1 if any(s["status"] in ("failed", "timed out") for s in stages) else 0
+
+
+def print_profile(profile: dict) -> None:
+    """scripts/device_profile.py's figures: ms per step three ways, and the trace's device work."""
+    print(f"profile: {profile['model']} on {profile['device']}, ms per decode step")
+    for slots, entry in profile["slots"].items():
+        ms = entry["ms_per_step"]
+        print(
+            f"  {slots:>3} slots: pipelined {ms['pipelined']:.2f}, unread {ms['unread']:.2f}, "
+            f"host dispatch {ms['dispatch']:.2f}"
+        )
+        trace = entry.get("trace") or {}
+        if trace.get("device_events"):
+            print(
+                f"       trace: {trace['kernels_per_step']:.0f} kernels, {trace['kernel_ms_per_step']:.2f} ms "
+                f"in kernels, {trace['span_ms_per_step']:.2f} ms from first start to last end (per step)"
+            )
+            for k in trace["top"][:8]:
+                print(f"         {k['ms_per_step']:.3f} ms  x{k['calls_per_step']:.0f}  {k['name'][:90]}")
 
 
 def main(argv: list[str]) -> int:

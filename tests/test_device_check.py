@@ -15,7 +15,7 @@ from helpers import REPO, SHARED, require_fixtures
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-STAGES = ("setup", "convert-smollm2", "golden-tests", "bench-llama-1b", "bench-smollm2")
+STAGES = ("setup", "convert-smollm2", "golden-tests", "bench-llama-1b", "profile-llama-1b", "bench-smollm2")
 
 
 def run(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -62,8 +62,13 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     assert environment["failed_imports"] == {} and environment["jax_backend"] == "cpu"
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(
-        ["device-check.log", "env.json", "tests.json", "summary.json", *(f"{n}.json" for n in summary["bench"])]
+        ["device-check.log", "env.json", "tests.json", "summary.json", "profile.json", "perfetto_trace.json.gz"]
+        + [f"{n}.json" for n in summary["bench"]]
     )
+    assert len(files) <= 8  # what one device call brings back
+    profile = summary["profile"]["slots"]
+    assert set(profile) == {"1", "2"} and profile["1"]["ms_per_step"]["pipelined"] > 0
+    assert "profile: random:tiny-llama" in result.stdout
     assert "== summary" in result.stdout and "batch-1 limit" in result.stdout
 
     # A fresh machine (part 1 gone) with almost no time left: every stage says why it did not run.
@@ -72,7 +77,7 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
         env={**env, "DEVICE_CHECK_STASH": str(tmp_path / "cold"), "DEVICE_CHECK_BUDGET_S": "15"},
     )
     notes = {s["stage"]: (s["status"], s["note"]) for s in json.loads((out / "summary.json").read_text())["stages"]}
-    assert notes["setup"] == notes["bench-llama-1b"] == ("skipped", "out of time")
+    assert notes["setup"] == notes["bench-llama-1b"] == notes["profile-llama-1b"] == ("skipped", "out of time")
     assert notes["convert-smollm2"][0] == "skipped" and "halves are not both here" in notes["convert-smollm2"][1]
     assert notes["golden-tests"] == notes["bench-smollm2"] == ("skipped", "no SmolLM2 store")
 

@@ -117,7 +117,7 @@ def cmd_bench_engine(args) -> int:
     for slots in args.slots:
         _log(f"hkserve: {slots} slots ...")
         ours[slots] = bench_hkserve(model, params, slots, prompts[:slots], args.steps, args.repeats, args.max_len)
-    peer, versions = run_peer(config, model, params, prompts, args.hf_batches, args.steps, args.repeats)
+    peer, versions = run_peer(config, params, prompts, args.hf_batches, args.steps, args.repeats)
 
     lo, hi = min(args.slots), max(args.slots)
     hf_lo, hf_hi = min(args.hf_batches), max(args.hf_batches)

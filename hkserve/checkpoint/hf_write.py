@@ -23,12 +23,17 @@ _LLAMA_DEFAULTS = {
 }
 
 
+def hf_writable(config: ModelConfig) -> bool:
+    """Whether the config is Llama/Mixtral-style, the layouts hf_checkpoint_tensors can write."""
+    return config == config.replace(**_LLAMA_DEFAULTS)
+
+
 def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
     """Our float param tree → an HF checkpoint's tensors (the inverse of checkpoint/hf.py): linear weights
     [in, out] → [out, in], stacked layers → one name per layer, MoE experts → w1/w3/w2. In the stored
     dtype (float32 | bfloat16), on the host. Llama and Mixtral layouts only: a config with another
     family's options is refused."""
-    if config != config.replace(**_LLAMA_DEFAULTS):
+    if not hf_writable(config):
         raise ValueError("only Llama/Mixtral-style configs can be written as an HF checkpoint")
     if config.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"HF tensors are made from float weights, not {config.dtype}")
