@@ -34,9 +34,18 @@ from hkserve.model.config import WEIGHTS
 from hkserve.model.sampling import SamplingParams
 
 
-def step_times(engine: Engine, slots: int, steps: int) -> dict:
-    """ms per step: pipelined, unread, and the host's dispatch time of the unread steps."""
+def step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
+    """ms per step: pipelined, unread, and the host's dispatch time of the unread steps. Each mode starts
+    from a fresh prefill of every slot, so both decode the same positions (and attention windows)."""
+    slots = len(prompts)
     active = np.ones(slots, bool)
+
+    def prefill():
+        for slot in range(slots):
+            first = engine.prefill(slot, prompts[slot].tolist(), SamplingParams())
+        first.read()
+
+    prefill()
     previous = None
     start = time.perf_counter()
     for _ in range(steps):
@@ -47,6 +56,7 @@ def step_times(engine: Engine, slots: int, steps: int) -> dict:
     previous.read()
     pipelined = time.perf_counter() - start
 
+    prefill()
     dispatch = 0.0
     start = time.perf_counter()
     for _ in range(steps):
@@ -92,24 +102,23 @@ def main() -> int:
     parser.add_argument("--slots", default="1,64")
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--trace-steps", type=int, default=8)
+    parser.add_argument("--trace-steps", type=int, default=8, help="0: no trace")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     config = random_config(args.random, WEIGHTS["bf16"])
     model, params = build_model(config), random_params(config)
     rng = np.random.default_rng(0)
     report = {"model": f"random:{args.random}", "device": str(jax.devices()[0].device_kind), "slots": {}}
     for slots in [int(s) for s in args.slots.split(",")]:
         engine = Engine(model, params, slots=slots, max_len=args.max_len)
-        for slot in range(slots):
-            first = engine.prefill(slot, rng.integers(0, config.vocab_size, 32).tolist(), SamplingParams())
-        first.read()
-        step_times(engine, slots, 8)  # compiles the windows the timed steps reach
-        entry = {"ms_per_step": step_times(engine, slots, args.steps)}
-        if slots == 1:  # one trace comes back (the device tool returns at most 8 files)
+        prompts = rng.integers(0, config.vocab_size, (slots, 32))
+        step_times(engine, prompts, args.steps)  # compiles the prefill and the windows the steps reach
+        entry = {"ms_per_step": step_times(engine, prompts, args.steps)}
+        if slots == 1 and args.trace_steps:  # one trace comes back (the device tool returns at most 8 files)
             with tempfile.TemporaryDirectory() as tmp:
                 with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                    step_times(engine, slots, args.trace_steps)
+                    step_times(engine, prompts, args.trace_steps)
                 (trace,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
                 shutil.copy(trace, args.out / "perfetto_trace.json.gz")
             # the traced run is pipelined then unread: 2 x trace_steps steps
