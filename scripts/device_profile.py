@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hkserve.bench.engine import decode_seconds
 from hkserve.bench.random_models import random_config, random_params
 from hkserve.engine.engine import Engine
 from hkserve.model.build import build_model
@@ -46,15 +47,7 @@ def step_times(engine: Engine, prompts: np.ndarray, steps: int) -> dict:
         first.read()
 
     prefill()
-    previous = None
-    start = time.perf_counter()
-    for _ in range(steps):
-        pending = engine.step(active)
-        if previous is not None:
-            previous.read()
-        previous = pending
-    previous.read()
-    pipelined = time.perf_counter() - start
+    pipelined = decode_seconds(lambda: engine.step(active), steps)
 
     prefill()
     dispatch = 0.0

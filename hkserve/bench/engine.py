@@ -38,7 +38,7 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _decode(step, steps: int) -> float:
+def decode_seconds(step, steps: int) -> float:
     """Seconds for `steps` dispatches of `step()` read one step behind (dispatch k, then read k-1),
     as hkserve/engine/runner.py does, so the host never makes the device wait."""
     start = time.perf_counter()
@@ -69,8 +69,8 @@ def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, re
         for slot in range(slots):
             first = engine.prefill(slot, prompts[slot].tolist(), SamplingParams())
         first.read()
-        _decode(lambda: engine.step(active), WARMUP_STEPS)
-        seconds = _decode(lambda: engine.step(active), steps)
+        decode_seconds(lambda: engine.step(active), WARMUP_STEPS)
+        seconds = decode_seconds(lambda: engine.step(active), steps)
         if repeat:
             times.append(seconds)
     return slots * steps / statistics.median(times)

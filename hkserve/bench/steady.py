@@ -45,7 +45,7 @@ def _measure(args) -> dict:
     """In this process: {"quiet": [tok/s ...], "loaded": [...]} of batch-1 greedy decode."""
     import jax
 
-    from hkserve.bench.engine import _decode, load_weights
+    from hkserve.bench.engine import decode_seconds, load_weights
     from hkserve.bench.peer import WARMUP_STEPS
     from hkserve.engine.engine import Engine
     from hkserve.model.build import build_model
@@ -59,8 +59,8 @@ def _measure(args) -> dict:
 
     def once() -> float:
         engine.prefill(0, prompt, SamplingParams()).read()
-        _decode(lambda: engine.step(active), WARMUP_STEPS)
-        return args.steps / _decode(lambda: engine.step(active), args.steps)
+        decode_seconds(lambda: engine.step(active), WARMUP_STEPS)
+        return args.steps / decode_seconds(lambda: engine.step(active), args.steps)
 
     once()  # compiles
     out = {"quiet": [], "loaded": []}
