@@ -140,11 +140,14 @@ def test_tool_call_parser_gives_the_same_calls_however_the_text_is_split():
         ]
 
 
-@pytest.fixture(scope="module")
-def tiny_runner():
+@pytest.fixture(scope="module", params=[True, False], ids=["split", "fused"])
+def tiny_runner(request):
+    """Both ways of running a constrained step: split (the model half dispatched before the masks are
+    filled; the GPU default) and fused (one program once the masks are known; the CPU default)."""
     config = tiny_config(vocab_size=300)
     model = build_model(config)
-    engine = Engine(model, model.init(jax.random.PRNGKey(3)), slots=4, max_len=64, prefill_buckets=(8,))
+    params = model.init(jax.random.PRNGKey(3))
+    engine = Engine(model, params, slots=4, max_len=64, prefill_buckets=(8,), split_masks=request.param)
     runner = InferenceRunner(engine)  # driven by the test: iterate() in this thread
     yield runner
 

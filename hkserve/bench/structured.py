@@ -67,6 +67,12 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side and slot count (median reported)")
     p.add_argument("--max-len", type=int, default=512)
+    p.add_argument(
+        "--split-masks",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a constrained step as two programs (on), one (off), or the backend's default (auto)",
+    )
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
 
 
@@ -107,7 +113,13 @@ def run(args) -> int:
     per_token: list[float] = []
     for slots in args.slots:
         engine = Engine(
-            build_model(config), params, slots=slots, max_len=args.max_len, prefill_buckets=(64,), structured=True
+            build_model(config),
+            params,
+            slots=slots,
+            max_len=args.max_len,
+            prefill_buckets=(64,),
+            structured=True,
+            split_masks={"auto": None, "on": True, "off": False}[args.split_masks],
         )
         runner = InferenceRunner(engine, max_queue=2 * slots)
         _log(f"{slots} slots: compiling")
@@ -134,7 +146,10 @@ def run(args) -> int:
 
 def _report(args, rates, per_token) -> None:
     median = {side: {k: statistics.median(v) for k, v in by.items()} for side, by in rates.items()}
-    print(f"# hkserve bench structured: {args.model}, {args.tokens} tokens/request, {platform.processor() or 'cpu'}")
+    print(
+        f"# hkserve bench structured: {args.model}, {args.tokens} tokens/request, {platform.processor() or 'cpu'},"
+        f" split masks {args.split_masks}"
+    )
     print(f"# {datetime.date.today()}, median of {args.repeats} (min..max)")
     print(f"{'slots':>5} {'unconstrained tok/s':>26} {'constrained tok/s':>26} {'ratio':>6}")
     for slots in (str(s) for s in args.slots):
@@ -148,4 +163,14 @@ def _report(args, rates, per_token) -> None:
     p90 = float(np.percentile(per_token, 90)) if per_token else 0.0
     print(f"mask fill per constrained token: p50 {p50:.1f} us, p90 {p90:.1f} us ({len(per_token)} fills)")
     if args.json:
-        print(json.dumps({**median, "mask_us_p50": round(p50, 2), "mask_us_p90": round(p90, 2), "spread": rates}))
+        print(
+            json.dumps(
+                {
+                    **median,
+                    "mask_us_p50": round(p50, 2),
+                    "mask_us_p90": round(p90, 2),
+                    "spread": rates,
+                    "split_masks": args.split_masks,
+                }
+            )
+        )

@@ -58,11 +58,16 @@ class Engine:
         prefill_rows: int = 4,
         structured: bool = False,
         prefix_cache: str = "off",
+        split_masks: bool | None = None,
     ):
-        """`structured`: also compile the split step of grammar-constrained batches in warmup (servers
-        do; else its programs compile on the first constrained step)."""
+        """`structured`: also compile the step of grammar-constrained batches in warmup (servers do;
+        else its programs compile on the first constrained step). `split_masks`: run that step as two
+        programs, so the host fills the masks while the model half runs (the default on accelerators),
+        or as one program once the masks are filled (the default on the CPU, where the host shares the
+        cores with the "device" and the split costs more than the overlap gains: docs/benchmarks.md)."""
         config = model.config
         self.structured = structured
+        self.split_masks = jax.default_backend() != "cpu" if split_masks is None else split_masks
         self._all_allowed = np.full((1, (config.vocab_size + 31) // 32), -1, np.int32)  # [1, W]: no grammar
         self._all_allowed_rows = np.full((slots, (config.vocab_size + 31) // 32), -1, np.int32)  # [B, W]
         if prefix_cache not in MODES:
@@ -159,10 +164,11 @@ class Engine:
         state, packed = self._sample_first(state, last, slot, row_settings, row_mask)
         return state, packed, score_targets(logits[0], targets[0], self.n_top)
 
-    def _step_impl(self, attend_len, params, state: DecodeState, active):
-        """One token for every active slot ([B] bool); idle slots compute but write nothing."""
+    def _step_impl(self, attend_len, params, state: DecodeState, active, bitmask=None):
+        """One token for every active slot ([B] bool); idle slots compute but write nothing. With a
+        bitmask [B, W]: a constrained step in one program, once its masks are known."""
         state, logits = self._forward_impl(attend_len, params, state, active)
-        return self._sample_impl(state, logits, active, None)
+        return self._sample_impl(state, logits, active, bitmask)
 
     def _forward_impl(self, attend_len, params, state: DecodeState, active):
         """The model half of a step → (state, logits [B, V] of the next token)."""
@@ -196,6 +202,10 @@ class Engine:
                 fn = functools.partial(self._forward_impl, attend_len)
                 in_sh = (self.param_shardings, self.state_shardings, rep)
                 out_sh = (self.state_shardings, self._sharding("data", None))
+            elif kind == "masked":
+                fn = functools.partial(self._step_impl, attend_len)
+                in_sh = (self.param_shardings, self.state_shardings, rep, rep)
+                out_sh = (self.state_shardings, rep)
             elif kind == "sample":
                 fn = self._sample_impl
                 in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
@@ -367,15 +377,23 @@ class Engine:
 
     def step_forward(self, active: np.ndarray) -> PendingLogits:
         """`step` in two calls, for steps with grammar-constrained rows: this one dispatches the model
-        (the host fills the masks meanwhile), `step_sample` then samples under the masks."""
+        (the host fills the masks meanwhile), `step_sample` then samples under the masks. With
+        `split_masks` off it dispatches nothing, and `step_sample` runs the whole step at once."""
         active = np.asarray(active, bool)
-        self.state, logits = self._compiled_fn("forward", self._step_window(active))(self.params, self.state, active)
+        window = self._step_window(active)
         self.positions += active
+        if not self.split_masks:
+            return PendingLogits(None, active, window)
+        self.state, logits = self._compiled_fn("forward", window)(self.params, self.state, active)
         return PendingLogits(logits, active)
 
     def step_sample(self, forward: PendingLogits, bitmask: np.ndarray) -> PendingTokens:
         """Sample the step that `step_forward` began, among the tokens bitmask [B, W] int32 allows."""
-        self.state, out = self._compiled_fn("sample", 0)(self.state, forward.logits, forward.active, bitmask)
+        if forward.logits is None:
+            fn = self._compiled_fn("masked", forward.window)
+            self.state, out = fn(self.params, self.state, forward.active, bitmask)
+        else:
+            self.state, out = self._compiled_fn("sample", 0)(self.state, forward.logits, forward.active, bitmask)
         return PendingTokens(out)
 
     def warmup(self) -> None:

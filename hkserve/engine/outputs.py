@@ -13,10 +13,12 @@ from hkserve.model.sampling import SampleOutput
 
 
 class PendingLogits(NamedTuple):
-    """The first half of a split step: its logits, still on the device."""
+    """The first half of a split step: its logits, still on the device; or, where the engine fuses
+    the halves (Engine.split_masks false), no logits yet: the step's window, run once the masks come."""
 
-    logits: jax.Array  # [B, V]
+    logits: jax.Array | None  # [B, V]
     active: np.ndarray  # [B] bool
+    window: int = 0  # the attention window of a fused step
 
 
 class Token(NamedTuple):

@@ -25,8 +25,9 @@ ends is noticed one step late; the extra token computed for it is discarded.
 Grammar-constrained requests (structured outputs, tool calls) need each token's mask before it is
 sampled, and the mask depends on the token before. A step with a constrained row is split: the loop
 dispatches the model half, then reads the previous tokens (and this pass's prefills) and advances the
-matchers while the device runs it, then dispatches the sampling half with the masks. Steps with no
-constrained row are unchanged (see constrained.py).
+matchers while the device runs it, then dispatches the sampling half with the masks (on the CPU the
+engine runs both halves as one program at that point: Engine.split_masks). Steps with no constrained
+row are unchanged (see constrained.py).
 """
 
 from __future__ import annotations
