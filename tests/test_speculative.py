@@ -37,6 +37,23 @@ def test_lookup_takes_the_longest_suffix_at_its_most_recent_earlier_occurrence()
     assert np.asarray(propose(four, jnp.asarray([7]), k=2, sizes=(1, 2)).tokens)[0].tolist() == [8, 3]
 
 
+def test_policy_asks_more_of_a_slot_in_a_larger_batch():
+    """A verify step costs more plain steps in a larger batch: 2 tokens per step pays alone, not among 8."""
+    config = SpecConfig(k=4, window=2)  # row_cost 0.04: 1.6 (min_tokens) alone, 1 + 0.04 * 8 * 4 among 8
+    policy = SpecPolicy(config, slots=8)
+    assert policy.step_cost(1) == 1.6 and policy.step_cost(8) == pytest.approx(2.28)
+    alone, all_eight = np.eye(8, dtype=bool)[0], np.ones(8, bool)
+    for _ in range(3):
+        assert policy.plan(alone)[0]
+        policy.observe(0, drafted=4, emitted=2)
+    assert not policy.resting(0)
+    assert policy.plan(all_eight).all()
+    for slot in range(8):
+        policy.observe(slot, drafted=4, emitted=2)
+        policy.observe(slot, drafted=4, emitted=2)
+        assert policy.resting(slot)
+
+
 def test_the_host_lookup_proposes_the_devices_first_draft():
     rng = np.random.default_rng(1)
     contexts = rng.integers(0, 4, (64, 24)).astype(np.int32)  # a small alphabet: many matches

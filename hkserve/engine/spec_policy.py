@@ -2,8 +2,9 @@
 how many slots are decoding (a verify step costs every row K+1 positions of compute, which the
 spare compute of a small batch absorbs and a large one does not).
 
-A slot drafts until its recent verify steps emit fewer than `min_tokens` tokens each on average;
-then it decodes plainly for a back-off that doubles each time it fails again (capped), and probes
+A slot drafts until its recent verify steps emit fewer tokens each, on average, than a verify step
+costs in plain steps at the batch it ran in (`step_cost`, `min_tokens` at least); then it decodes
+plainly for a back-off that doubles each time it fails again (capped), and probes
 once more, or sooner when the lookup, run on the host over the tokens it emits meanwhile, would have
 proposed the right next token from its longest suffix `wake` times in a row (an edit's output starts copying after its
 preamble). A new request in the slot starts afresh.
@@ -22,15 +23,19 @@ MODES = ("off", "ngram")
 class SpecConfig:
     """How speculative decoding runs (`--speculative`, `--num-speculative-tokens`)."""
 
-    k: int = 4  # drafts per verify step
+    k: int = 8  # drafts per verify step: 8 gave bench spec's edit 1.52x where 4 gave 1.36x, chat the same
     ngram_sizes: tuple[int, ...] = (1, 2, 3, 4)  # suffix lengths searched, longest match wins
     max_batch: int = 8  # the crossover: above this many decoding slots every step is plain
-    min_tokens: float = 1.6  # tokens a verify step must emit per slot, on average, to keep drafting
+    min_tokens: float = 1.6  # tokens a verify step must emit per slot, on average, to keep drafting (at least)
     window: int = 4  # verify steps averaged before first judging a slot
     probe: int = 2  # verify steps averaged when a slot comes back from a back-off
     backoff: int = 16  # plain steps before a failing slot probes again (doubling up to max_backoff)
     max_backoff: int = 256
     wake: int = 3  # consecutive right first drafts (host lookup) that end a back-off early
+    # A verify step's cost in plain steps grows by this much per drafted position (B rows x K drafts):
+    # on the 2-core CPU a [B, K+1] step cost 1.07-1.77x a plain one for 8-16 positions, 2.3x for 32,
+    # 3.1x for 64 (docs/benchmarks.md, "Verify-step cost").
+    row_cost: float = 0.04
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -69,13 +74,20 @@ class SpecPolicy:
         self.config = config
         self.slots = [_SlotPolicy(backoff=config.backoff) for _ in range(slots)]
         self.counts = SpecCounts()
+        self._batch = 1  # decoding slots at the last plan: the batch the verify steps being judged ran in
+
+    def step_cost(self, batch: int) -> float:
+        """Tokens a slot must emit per verify step, on average, to pay for it in a batch of `batch`."""
+        c = self.config
+        return max(c.min_tokens, 1.0 + c.row_cost * batch * c.k)
 
     def restart(self, slot: int) -> None:
         self.slots[slot] = _SlotPolicy(backoff=self.config.backoff)
 
     def plan(self, active: np.ndarray) -> np.ndarray | None:
         """Rows [B] bool that draft in this step, or None for a plain step (also when none would)."""
-        if int(active.sum()) > self.config.max_batch:
+        self._batch = max(int(active.sum()), 1)
+        if self._batch > self.config.max_batch:
             return None
         rows = np.asarray([bool(a) and s.off_for == 0 for a, s in zip(active, self.slots)])
         for a, s in zip(active, self.slots):
@@ -104,7 +116,7 @@ class SpecPolicy:
         s.recent = (s.recent + [emitted])[-window:]
         if len(s.recent) < window:
             return
-        if sum(s.recent) / len(s.recent) < c.min_tokens:
+        if sum(s.recent) / len(s.recent) < self.step_cost(self._batch):
             s.off_for, s.backoff, s.recent = s.backoff, min(2 * s.backoff, c.max_backoff), []
             s.judged = True
         else:
