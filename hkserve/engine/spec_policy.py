@@ -74,7 +74,9 @@ class SpecPolicy:
         self.config = config
         self.slots = [_SlotPolicy(backoff=config.backoff) for _ in range(slots)]
         self.counts = SpecCounts()
-        self._batch = 1  # decoding slots at the last plan: the batch the verify steps being judged ran in
+        # Decoding slots at the last plan. A verify step is judged a step after it ran (the runner reads one
+        # step behind), so this is its batch unless a request started or ended in between.
+        self._batch = 1
 
     def step_cost(self, batch: int) -> float:
         """Tokens a slot must emit per verify step, on average, to pay for it in a batch of `batch`."""
