@@ -82,6 +82,38 @@ def test_kernel_equals_float64_reference(shape, kind, isa):
         check(y, xs, w, scale)
 
 
+@pytest.mark.parametrize("kind", ["w8a8", "w8a32"])
+def test_a_stacked_weight_is_read_at_its_layer_index(kind):
+    """A layer stack [L, ...] with the scan's index gives exactly what each layer's own weight gives."""
+    isa = ISAS[0]
+    x, _, _ = case(3, 100, 70)
+    ws = [case(3, 100, 70, seed=layer)[1:] for layer in range(3)]
+    packed = jnp.stack([pack.pack(jnp.asarray(w)) for w, _ in ws])
+    scales = jnp.stack([s for _, s in ws])
+    stacked = jax.jit(lambda x, w, s, i: ffi.matmul(x, w, s, kind, isa, layer=i))
+    for layer, (w, scale) in enumerate(ws):
+        one = kernel(kind, isa)(x, pack.pack(jnp.asarray(w)), scale)
+        np.testing.assert_array_equal(stacked(x, packed, scales, np.int32(layer)), one)
+    with pytest.raises(Exception, match="layer index out of range"):
+        stacked(x, packed, scales, np.int32(3)).block_until_ready()
+
+
+def test_the_kernel_model_reads_the_layer_stack_in_place():
+    """The scanned layers' packed weights reach the kernels whole: the compiled step slices no weight
+    out of the stack (which copied every layer's weight every step, as long as the products took)."""
+    config, params = int8_model()
+    model = build_model(config, KernelSpec("w8a32", ISAS[0]))
+    params = jax.jit(model.prepare)(params)
+    tokens = np.zeros((2, 1), np.int32)
+    hlo = jax.jit(model.forward).lower(params, tokens, init_memory(config, 2, 8), np.ones(2, np.int32))
+    hlo = hlo.compile().as_text()
+    n_layers = config.n_layers
+    stacked = [a for a in jax.tree_util.tree_leaves(params) if a.dtype == jnp.uint8 and a.ndim == 5]
+    assert len(stacked) == 7 and all(a.shape[0] == n_layers for a in stacked)
+    sliced = [line for line in hlo.splitlines() if " dynamic-slice(" in line and "= u8[" in line]
+    assert not sliced, sliced[:3]
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_w8a8_activation_error_stays_small_against_the_unquantized_product(isa):
     x, w, scale = case(16, 576, 1536)

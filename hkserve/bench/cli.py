@@ -74,7 +74,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernels",
         default=None,
-        help="with --weights: measure each variant with these kernel paths instead (auto,xla), sides alternated",
+        help="with --weights: measure each variant with these kernel paths instead (auto,xla), sides alternated; "
+        "with --background-load: each XLA setting with each of these (for --dtype int8)",
     )
     p.add_argument("--llama-gguf", default=None, help="with --kernels: a GGUF file for the llama.cpp peer")
     p.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp peer")

@@ -48,12 +48,14 @@ def _measure(args) -> dict:
     from hkserve.bench.engine import decode_seconds, load_weights
     from hkserve.bench.peer import WARMUP_STEPS
     from hkserve.engine.engine import Engine
+    from hkserve.kernels.dispatch import resolve
     from hkserve.model.build import build_model
     from hkserve.model.config import default_weights
     from hkserve.model.sampling import SamplingParams
 
     _, config, params = load_weights(args, default_weights(jax.default_backend(), args.dtype))
-    engine = Engine(build_model(config), params, slots=1, max_len=args.max_len)
+    model = build_model(config, resolve(args.kernels, config.dtype, config.memory))
+    engine = Engine(model, params, slots=1, max_len=args.max_len)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len).tolist()
     active = np.ones(1, bool)
 
@@ -76,24 +78,27 @@ def _summary(values: list[float]) -> dict:
 
 
 def run(args) -> dict:
-    """Each setting of --xla-threads in a child process → {setting: {quiet, loaded, loaded_over_quiet}}."""
+    """Each setting of --xla-threads (x each of --kernels, for int8 weights) in a child process →
+    {label: {quiet, loaded, loaded_over_quiet}}; the label is the setting, plus "/kernels" when given."""
     report = {}
-    for setting in args.xla_threads.split(","):
+    kernel_choices = (args.kernels or "auto").split(",")
+    for setting, kernels in [(s, k) for s in args.xla_threads.split(",") for k in kernel_choices]:
         if setting not in THREAD_SETTINGS:
             raise ValueError(f"unknown --xla-threads setting {setting!r} (known: {', '.join(THREAD_SETTINGS)})")
+        label = f"{setting}/{kernels}" if args.kernels else setting
         env = {
             **os.environ,
             "XLA_FLAGS": " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), THREAD_SETTINGS[setting]])),
         }
         cmd = [sys.executable, "-m", "hkserve.bench.steady", "--steps", str(args.steps), "--repeats", str(args.repeats)]
-        cmd += ["--prompt-len", str(args.prompt_len), "--max-len", str(args.max_len)]
+        cmd += ["--prompt-len", str(args.prompt_len), "--max-len", str(args.max_len), "--kernels", kernels]
         cmd += ["--random", args.random] if args.random else ["--model", args.model]
         cmd += ["--dtype", args.dtype] if args.dtype else []
-        print(f"background load, XLA threads {setting}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        print(f"background load, {label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         child = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         runs = json.loads(child.stdout.strip().splitlines()[-1])
         quiet, loaded = _summary(runs["quiet"]), _summary(runs["loaded"])
-        report[setting] = {"quiet": quiet, "loaded": loaded, "loaded_over_quiet": loaded["median"] / quiet["median"]}
+        report[label] = {"quiet": quiet, "loaded": loaded, "loaded_over_quiet": loaded["median"] / quiet["median"]}
     return report
 
 
@@ -106,11 +111,11 @@ def cmd_background_load(args) -> int:
 
 
 def print_report(report: dict) -> None:
-    print(f"{'XLA threads':<12}{'quiet tok/s (min-max)':>26}{'loaded tok/s (min-max)':>26}{'loaded/quiet':>14}")
+    print(f"{'XLA threads':<16}{'quiet tok/s (min-max)':>26}{'loaded tok/s (min-max)':>26}{'loaded/quiet':>14}")
     for setting, r in report.items():
         q, ld = r["quiet"], r["loaded"]
         print(
-            f"{setting:<12}{q['median']:>10.1f} ({q['min']:.1f}-{q['max']:.1f}){'':>4}"
+            f"{setting:<16}{q['median']:>10.1f} ({q['min']:.1f}-{q['max']:.1f}){'':>4}"
             f"{ld['median']:>10.1f} ({ld['min']:.1f}-{ld['max']:.1f}){'':>4}{r['loaded_over_quiet']:>12.3f}"
         )
 
@@ -120,6 +125,7 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--random", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--kernels", default="auto")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)

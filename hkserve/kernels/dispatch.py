@@ -27,7 +27,7 @@ CHOICES = ("auto", "w8a8", "xla")
 class KernelSpec(NamedTuple):
     kind: str  # "w8a8": int8 weights x int8 activations (per 32 values) | "w8a32": weight-only
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
-    threads: int = 0  # 0: XLA's intra-op pool from 4 rows on, the calling thread below
+    threads: int = 0  # 0: XLA's intra-op pool (HKSERVE_KERNEL_THREADS=1: the calling thread only)
 
     def describe(self) -> str:
         return f"{self.kind} on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"

@@ -36,13 +36,27 @@ def cpu_isa() -> int:
     return int(lib.hk_cpu_isa()) if lib is not None else 0
 
 
-def matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, kind: str, isa: int, threads: int = 0) -> jax.Array:
+def matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    kind: str,
+    isa: int,
+    threads: int = 0,
+    layer: jax.Array | None = None,
+) -> jax.Array:
     """x [..., K] float32 · packed int8 weight (pack.py) [N/64, K/4, 64, 4] → [..., N] float32, scaled
-    per output channel. kind "w8a8" quantizes x per 32 values; "w8a32" keeps x float32."""
+    per output channel. kind "w8a8" quantizes x per 32 values; "w8a32" keeps x float32.
+
+    With `layer` (an int32 scalar, e.g. a layer scan's index) `packed` [L, N/64, K/4, 64, 4] and
+    `scale` [L, N] are a whole layer stack, and the kernel reads layer `layer` in place."""
     if library() is None or isa > cpu_isa() or isa not in ISA_NAMES:
         raise RuntimeError(f"kernel isa {isa} is not available on this machine (has {cpu_isa()})")
+    if (packed.ndim == 5) != (layer is not None):
+        raise ValueError("a layer index goes with a stacked [L, ...] packed weight, and only with one")
     n = scale.shape[-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     call = jax.ffi.ffi_call(TARGETS[kind][0], jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y = call(rows, packed, scale.astype(jnp.float32), isa=np.int64(isa), threads=np.int64(threads))
+    y = call(rows, packed, scale.astype(jnp.float32), index, isa=np.int64(isa), threads=np.int64(threads))
     return y.reshape(*x.shape[:-1], n)

@@ -279,18 +279,26 @@ void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const
   }
 }
 
+// w is one packed weight [N/64, K/4, 64, 4] with scale [N], or a scanned layer stack of them
+// [L, N/64, K/4, 64, 4] with scale [L, N], of which `layer` (an int32 scalar in host memory, the
+// scan's index) is read in place: slicing it out in XLA would copy every layer's weight every step.
 template <bool A8>
 ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
-                  ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != NT || wd[3] != 4)
-    return ffi::Error::InvalidArgument("hk matmul: x must be [M, K] and w packed [N/64, K/4, 64, 4]");
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  size_t lead = wd.size() - 4;  // 0: one weight, 1: a layer stack
+  if (xd.size() != 2 || (wd.size() != 4 && wd.size() != 5) || wd[lead + 2] != NT || wd[lead + 3] != 4 ||
+      sd.size() != lead + 1 || (lead && sd[0] != wd[0]) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "hk matmul: x must be [M, K], w packed [(L,) N/64, K/4, 64, 4], scale [(L,) N], layer a scalar");
+  int64_t layers = lead ? wd[0] : 1, l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("hk matmul: layer index out of range");
   Problem p{};
-  p.m = xd[0], p.k = xd[1], p.n = scale.element_count(), p.kp = wd[1] * 4, p.np = wd[0] * NT;
+  p.m = xd[0], p.k = xd[1], p.n = sd[lead], p.kp = wd[lead + 1] * 4, p.np = wd[lead] * NT;
   if (p.kp % QK || p.kp < p.k || p.kp - p.k >= QK || p.np < p.n || p.np - p.n >= NT)
     return ffi::Error::InvalidArgument("hk matmul: packed weight does not fit x and scale");
   if (isa != 1 && isa != 2) return ffi::Error::InvalidArgument("hk matmul: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  p.w = w.typed_data(), p.scale = scale.typed_data(), p.y = y->typed_data();
+  p.w = w.typed_data() + l * p.np * p.kp, p.scale = scale.typed_data() + l * p.n, p.y = y->typed_data();
   if (p.m == 0) return ffi::Error::Success();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<uint8_t> xa;
@@ -304,9 +312,9 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(xf.data() + r * p.kp, x.typed_data() + r * p.k, p.k * sizeof(float));
     p.xf = xf.data();
   }
-  // threads 0: the pool from 4 rows on; fewer rows (batch-1 decode) stay on the calling thread, which
-  // measured steadier and no slower on the shared 2-core machine (hkserve/kernels/README.md).
-  if (threads <= 0) threads = p.m < 4 ? 1 : std::max<int64_t>(1, pool.num_threads());
+  // threads 0: XLA's pool, batch-1 decode included: on a quiet 2-core machine two threads read the
+  // weights in about half the time of one (hkserve/kernels/README.md).
+  if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
   auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A8>(p, t) : run_tile<1, A8>(p, t); };
   parallel_tiles(pool, p.np / NT, threads, body);
   return ffi::Error::Success();
@@ -320,6 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<true>,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads"));
@@ -330,6 +339,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A32, matmul<false>,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads"));

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import dispatch, ffi, pack
+from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
 
 F32 = jnp.float32
@@ -101,8 +102,13 @@ class Linear(hk.Module):
         self.bias_dtype = bias_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
-        y = qdot(x, w, scale)
+        held = layer_weights.held(hk.experimental.current_name())
+        if held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
+            kernel = dispatch.active()
+            y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
+        else:
+            w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
+            y = qdot(x, w, scale)
         if self.bias_dtype is not None:
             y = y + hk.get_parameter("b", [self.out_dim], self.bias_dtype, init=jnp.zeros).astype(F32)
         return y

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from hkserve.kernels import dispatch
 from hkserve.kernels.dispatch import KernelSpec
+from hkserve.model import layer_weights
 from hkserve.model.attention import Attention
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
@@ -40,6 +41,10 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
 
     def block(x, per_layer):
         layer, window, theta = per_layer
+        with layer_weights.at_layer(layer):
+            return _block(x, layer, window, theta)
+
+    def _block(x, layer, window, theta):
         # Read this layer's past straight from the memory (no stacked copy of the window is made).
         k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
         v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
@@ -123,7 +128,11 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Mo
         serving picks it from a few buckets so decode cost follows the context actually in use.
         """
         attend_len = memory.max_len if attend_len is None else attend_len
-        return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
+        if kernels is None:
+            return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
+        params, held = layer_weights.split(params)  # the kernels read these in place (layer_weights.py)
+        with layer_weights.holding(held):
+            return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
 
     if kernels is None:
         return Model(config=config, init=init, forward=forward)

@@ -1,0 +1,73 @@
+"""The scanned layers' packed int8 weights, handed to the CPU kernels whole instead of layer by layer.
+
+`hk.layer_stack` scans the decoder's blocks over their stacked params, and XLA's CPU backend
+materializes each layer's slice before a custom call (or a dot) can read it: for SmolLM2 that copied
+~130 MB of packed weights per decode step, as long as the products themselves took. So in kernel
+mode the packed [L, ...] weights are held out of the params the stack slices (`split`), and a
+`Linear` inside the stack passes the whole stack plus the scan's layer index to the kernel, which
+reads that layer where it lies (`held`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+STACK = "decoder/layers/"  # hk.layer_stack's module prefix of the decoder's blocks
+
+
+class HeldWeight(NamedTuple):
+    packed: jax.Array  # [L, N/64, K/4, 64, 4] uint8, every layer's packed weight
+    scale: jax.Array  # [L, N] float32
+    layer: jax.Array  # [] int32: the layer the scan is at
+
+
+_HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hkserve_held_weights", default=None)
+_LAYER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("hkserve_layer", default=None)
+
+
+def split(params: dict) -> tuple[dict, dict]:
+    """(params without the stacked packed weights, {module path inside the stack: (packed, scale)})."""
+    rest, held = {}, {}
+    for module, names in params.items():
+        w = names.get("w")
+        if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and w.ndim == 5:
+            held[module[len(STACK) :]] = (w, names["scale"])
+            others = {k: v for k, v in names.items() if k not in ("w", "scale")}
+            if others:  # e.g. a bias beside the weight
+                rest[module] = others
+        else:
+            rest[module] = names
+    return rest, held
+
+
+@contextlib.contextmanager
+def holding(held: dict):
+    """While the decoder is traced: these stacked weights are read in place, not as params."""
+    token = _HELD.set(held)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
+@contextlib.contextmanager
+def at_layer(layer: jax.Array):
+    """While one scanned block is traced: the index of the layer it computes."""
+    token = _LAYER.set(layer)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def held(module: str) -> HeldWeight | None:
+    """The held weight of the module at this path inside the layer stack, with the current layer."""
+    weights, layer = _HELD.get(), _LAYER.get()
+    if weights is None or layer is None or module not in weights:
+        return None
+    return HeldWeight(*weights[module], layer)
