@@ -20,7 +20,7 @@ import jaxlib
 
 log = logging.getLogger("hkserve.kernels")
 SOURCE = Path(__file__).with_name("qmatmul.cc")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 
 def cache_root() -> Path:

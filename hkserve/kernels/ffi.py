@@ -14,7 +14,7 @@ from hkserve.kernels.build import library_path
 
 log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
-TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a32": ("hk_w8a32", "HkW8A32")}
+TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
 
 
 @functools.cache
@@ -46,7 +46,8 @@ def matmul(
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """x [..., K] float32 · packed int8 weight (pack.py) [N/64, K/4, 64, 4] → [..., N] float32, scaled
-    per output channel. kind "w8a8" quantizes x per 32 values; "w8a32" keeps x float32.
+    per output channel. kind "w8a8" quantizes x per 32 values; "w8a16" as two int8 planes per 32 values
+    (the residual of the first quantized again); "w8a32" keeps x float32.
 
     With `layer` (an int32 scalar, e.g. a layer scan's index) `packed` [L, N/64, K/4, 64, 4] and
     `scale` [L, N] are a whole layer stack, and the kernel reads layer `layer` in place."""

@@ -9,6 +9,9 @@
 //             (absmax / 127, round half to even, as llama.cpp's Q8_0). vpdpbusd multiplies the
 //             unsigned w + 128 by signed x8, so the offset costs 128 * sum(x8) per block: a per-row
 //             constant folded in at the end, no extra weight bytes.
+//   hk_w8a16: as hk_w8a8 with each activation block held as two int8 planes, x ~ d1*q1 + d2*q2
+//             (q2 quantizes the residual x - d1*q1 with its own absmax / 127): ~14 bits of each
+//             block's range, for two vpdpbusd per weight load instead of hk_w8a32's widening.
 //   hk_w8a32: y = scale * (x . w), float32 activations, int8 weights widened in registers.
 //
 // Attribute isa: 2 = AVX-512 VNNI, 1 = AVX2 (vpmaddubsw/vpmaddwd for w8a8). Work is split by
@@ -39,11 +42,11 @@ struct Problem {
   const uint8_t* w;         // packed [np/64][kp/4][64][4]
   const float* scale;       // [n]
   float* y;                 // [m, n]
-  // w8a8: quantized rows
-  const int8_t* xq;   // [m, kp]
-  const uint8_t* xa;  // [m, kp] |xq| (AVX2's vpmaddubsw needs an unsigned operand)
-  const float* d;     // [m, kp/32] block scales
-  const float* c;     // [m] 128 * sum_b d_b * sum(xq in b)
+  // w8a8 / w8a16: quantized rows, one plane or two (plane j at xq + j * m * kp, d + j * m * kp/32)
+  const int8_t* xq;   // [planes, m, kp]
+  const uint8_t* xa;  // [planes, m, kp] |xq| (AVX2's vpmaddubsw needs an unsigned operand)
+  const float* d;     // [planes, m, kp/32] block scales
+  const float* c;     // [m] 128 * sum over planes and blocks of d_b * sum(xq in b)
   // w8a32: zero-padded float rows
   const float* xf;  // [m, kp]
 };
@@ -56,33 +59,39 @@ void store_tile(const Problem& p, int64_t row, int64_t col0, const float* acc) {
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
-template <int R>
+template <int R, int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a8_rows_512(const Problem& p, int64_t t, int64_t r0) {
   const uint8_t* wt = p.w + t * p.kp * NT;
+  const int64_t plane = p.m * p.kp, dplane = p.m * (p.kp / QK);
   __m512 f[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) f[r][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.kp / QK; ++b) {
-    __m512i a[R][4];
+    __m512i a[R][P][4];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_si512();
+      for (int j = 0; j < P; ++j)
+        for (int i = 0; i < 4; ++i) a[r][j][i] = _mm512_setzero_si512();
     for (int g = 0; g < QK / 4; ++g) {
       const uint8_t* q = wt + (b * (QK / 4) + g) * 256;
       __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
       __m512i w2 = _mm512_loadu_si512(q + 128), w3 = _mm512_loadu_si512(q + 192);
       for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
-        __m512i xb = _mm512_set1_epi32(x4);
-        a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, xb);
-        a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, xb);
-        a[r][2] = _mm512_dpbusd_epi32(a[r][2], w2, xb);
-        a[r][3] = _mm512_dpbusd_epi32(a[r][3], w3, xb);
+        for (int j = 0; j < P; ++j) {
+          int32_t x4;
+          std::memcpy(&x4, p.xq + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
+          __m512i xb = _mm512_set1_epi32(x4);
+          a[r][j][0] = _mm512_dpbusd_epi32(a[r][j][0], w0, xb);
+          a[r][j][1] = _mm512_dpbusd_epi32(a[r][j][1], w1, xb);
+          a[r][j][2] = _mm512_dpbusd_epi32(a[r][j][2], w2, xb);
+          a[r][j][3] = _mm512_dpbusd_epi32(a[r][j][3], w3, xb);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m512 dv = _mm512_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
-      for (int i = 0; i < 4; ++i) f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, f[r][i]);
+      for (int j = 0; j < P; ++j) {
+        __m512 dv = _mm512_set1_ps(p.d[j * dplane + (r0 + r) * (p.kp / QK) + b]);
+        for (int i = 0; i < 4; ++i) f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][j][i]), dv, f[r][i]);
+      }
     }
   }
   alignas(64) float acc[NT];
@@ -125,9 +134,10 @@ __attribute__((target("avx512f,avx512bw"))) void a32_rows_512(const Problem& p, 
 
 // ---------------------------------------------------------------- AVX2 (32-column halves of a tile)
 
-template <int R>
+template <int R, int P>
 __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
   const uint8_t* wt = p.w + t * p.kp * NT;
+  const int64_t plane = p.m * p.kp, dplane = p.m * (p.kp / QK);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
@@ -135,29 +145,34 @@ __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t 
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 4; ++i) f[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p.kp / QK; ++b) {
-      __m256i a[R][4];
+      __m256i a[R][P][4];
       for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_si256();
+        for (int j = 0; j < P; ++j)
+          for (int i = 0; i < 4; ++i) a[r][j][i] = _mm256_setzero_si256();
       for (int g = 0; g < QK / 4; ++g) {
         const uint8_t* q = wt + (b * (QK / 4) + g) * 256 + h * 128;
         __m256i w[4];
         for (int i = 0; i < 4; ++i)
           w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
         for (int r = 0; r < R; ++r) {
-          int32_t s4, u4;
-          std::memcpy(&s4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
-          std::memcpy(&u4, p.xa + (r0 + r) * p.kp + b * QK + g * 4, 4);
-          __m256i xs = _mm256_set1_epi32(s4), xu = _mm256_set1_epi32(u4);
-          for (int i = 0; i < 4; ++i) {
-            // |x| * (w * sign(x)): at most 2 * 127 * 127, so vpmaddubsw cannot saturate
-            __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs));
-            a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(prod, ones));
+          for (int j = 0; j < P; ++j) {
+            int32_t s4, u4;
+            std::memcpy(&s4, p.xq + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
+            std::memcpy(&u4, p.xa + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
+            __m256i xs = _mm256_set1_epi32(s4), xu = _mm256_set1_epi32(u4);
+            for (int i = 0; i < 4; ++i) {
+              // |x| * (w * sign(x)): at most 2 * 127 * 127, so vpmaddubsw cannot saturate
+              __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs));
+              a[r][j][i] = _mm256_add_epi32(a[r][j][i], _mm256_madd_epi16(prod, ones));
+            }
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        __m256 dv = _mm256_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
-        for (int i = 0; i < 4; ++i) f[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][i]), dv, f[r][i]);
+        for (int j = 0; j < P; ++j) {
+          __m256 dv = _mm256_set1_ps(p.d[j * dplane + (r0 + r) * (p.kp / QK) + b]);
+          for (int i = 0; i < 4; ++i) f[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][j][i]), dv, f[r][i]);
+        }
       }
     }
     for (int r = 0; r < R; ++r)
@@ -194,51 +209,75 @@ __attribute__((target("avx2,fma"))) void a32_rows_avx2(const Problem& p, int64_t
   }
 }
 
-template <int R, bool A8>
+template <int R, int A>
 void rows_avx2(const Problem& p, int64_t t, int64_t r0) {
   float acc[R][NT];
-  if (A8) {
-    a8_rows_avx2<R>(p, t, r0, acc);  // signed products: no offset to take back
+  if constexpr (A > 0) {
+    a8_rows_avx2<R, A>(p, t, r0, acc);  // signed products: no offset to take back
   } else {
     a32_rows_avx2<R>(p, t, r0, acc);
   }
   for (int r = 0; r < R; ++r) store_tile(p, r0 + r, t * NT, acc[r]);
 }
 
-// One output tile for every row: rows in groups that share each weight load.
-template <int ISA, bool A8>
+// One output tile for every row: rows in groups that share each weight load. A: planes of int8
+// activations (1 w8a8, 2 w8a16), 0 for float32 activations (w8a32).
+template <int ISA, int A>
 void run_tile(const Problem& p, int64_t t) {
   int64_t r = 0;
   if (ISA == 2) {
-    constexpr int G = A8 ? 2 : 4;
-    for (; r + G <= p.m; r += G) A8 ? a8_rows_512<G>(p, t, r) : a32_rows_512<G>(p, t, r);
-    for (; r < p.m; ++r) A8 ? a8_rows_512<1>(p, t, r) : a32_rows_512<1>(p, t, r);
+    constexpr int P = A > 0 ? A : 1;  // planes
+    constexpr int G = A == 0 ? 4 : 2 / P;  // rows per weight load: what the 32 registers hold
+    if constexpr (A > 0) {
+      for (; r + G <= p.m; r += G) a8_rows_512<G, P>(p, t, r);
+      for (; r < p.m; ++r) a8_rows_512<1, P>(p, t, r);
+    } else {
+      for (; r + G <= p.m; r += G) a32_rows_512<G>(p, t, r);
+      for (; r < p.m; ++r) a32_rows_512<1>(p, t, r);
+    }
   } else {
-    for (; r + 2 <= p.m; r += 2) rows_avx2<2, A8>(p, t, r);
-    for (; r < p.m; ++r) rows_avx2<1, A8>(p, t, r);
+    for (; r + 2 <= p.m; r += 2) rows_avx2<2, A>(p, t, r);
+    for (; r < p.m; ++r) rows_avx2<1, A>(p, t, r);
   }
 }
 
 // ---------------------------------------------------------------- activations
 
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq, uint8_t* xa, float* d, float* c) {
+// One block of 32 values (zero past `n`) → int8 q, |q|, and its scale absmax / 127; returns sum(q).
+// A second plane quantizes what the first left over (r = x - d1 * q1, computed in float32).
+// Compiled for AVX2 (every ISA path has it) so that nearbyint is one vroundps, not a libm call;
+// -ffp-contract=off keeps the residual x - d1 * q1 two roundings on every compiler.
+__attribute__((target("avx2,fma"))) int32_t quantize_block(const float* x, int64_t n, int8_t* q, uint8_t* qa,
+                                                            float* d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *d = amax / 127.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < QK; ++i) {
+    int32_t v = i < n ? static_cast<int32_t>(std::nearbyint(x[i] * inv)) : 0;
+    v = std::max(-127, std::min(127, v));
+    q[i] = static_cast<int8_t>(v), qa[i] = static_cast<uint8_t>(v < 0 ? -v : v);
+    sum += v;
+  }
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int planes,
+                                                        int8_t* xq, uint8_t* xa, float* d, float* c) {
+  const int64_t plane = m * kp, dplane = m * (kp / QK);
+  float rest[QK];
   for (int64_t r = 0; r < m; ++r) {
     float corr = 0.f;
     for (int64_t b = 0; b < kp / QK; ++b) {
-      int64_t lo = b * QK, hi = std::min<int64_t>(lo + QK, k);
-      float amax = 0.f;
-      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[r * k + i]));
-      float db = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = lo; i < lo + QK; ++i) {
-        int32_t q = i < hi ? static_cast<int32_t>(std::nearbyint(x[r * k + i] * inv)) : 0;
-        q = std::max(-127, std::min(127, q));
-        xq[r * kp + i] = static_cast<int8_t>(q);
-        xa[r * kp + i] = static_cast<uint8_t>(q < 0 ? -q : q);
-        sum += q;
+      int64_t lo = b * QK, n = std::min<int64_t>(QK, k - lo), at = r * kp + lo, db = r * (kp / QK) + b;
+      int32_t sum = quantize_block(x + r * k + lo, n, xq + at, xa + at, d + db);
+      corr += d[db] * static_cast<float>(sum);
+      if (planes == 2) {
+        for (int64_t i = 0; i < n; ++i) rest[i] = x[r * k + lo + i] - d[db] * static_cast<float>(xq[at + i]);
+        sum = quantize_block(rest, n, xq + plane + at, xa + plane + at, d + dplane + db);
+        corr += d[dplane + db] * static_cast<float>(sum);
       }
-      d[r * (kp / QK) + b] = db;
-      corr += db * static_cast<float>(sum);
     }
     c[r] = 128.f * corr;
   }
@@ -282,7 +321,7 @@ void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const
 // w is one packed weight [N/64, K/4, 64, 4] with scale [N], or a scanned layer stack of them
 // [L, N/64, K/4, 64, 4] with scale [L, N], of which `layer` (an int32 scalar in host memory, the
 // scan's index) is read in place: slicing it out in XLA would copy every layer's weight every step.
-template <bool A8>
+template <int A>
 ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
@@ -303,9 +342,9 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<uint8_t> xa;
   thread_local std::vector<float> xf, d, c;
-  if (A8) {
-    xq.resize(p.m * p.kp), xa.resize(p.m * p.kp), d.resize(p.m * p.kp / QK), c.resize(p.m);
-    quantize_rows(x.typed_data(), p.m, p.k, p.kp, xq.data(), xa.data(), d.data(), c.data());
+  if (A > 0) {
+    xq.resize(A * p.m * p.kp), xa.resize(A * p.m * p.kp), d.resize(A * p.m * p.kp / QK), c.resize(p.m);
+    quantize_rows(x.typed_data(), p.m, p.k, p.kp, A, xq.data(), xa.data(), d.data(), c.data());
     p.xq = xq.data(), p.xa = xa.data(), p.d = d.data(), p.c = c.data();
   } else {
     xf.assign(p.m * p.kp, 0.f);
@@ -315,14 +354,14 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // threads 0: XLA's pool, batch-1 decode included: on a quiet 2-core machine two threads read the
   // weights in about half the time of one (hkserve/kernels/README.md).
   if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
-  auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A8>(p, t) : run_tile<1, A8>(p, t); };
+  auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A>(p, t) : run_tile<1, A>(p, t); };
   parallel_tiles(pool, p.np / NT, threads, body);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<1>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -333,7 +372,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<true>,
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A32, matmul<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A16, matmul<2>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A32, matmul<0>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
