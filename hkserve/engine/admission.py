@@ -1,0 +1,134 @@
+"""The runner's admission half: take queued requests into free slots and dispatch their prefills.
+
+A mixin of InferenceRunner (runner.py), run by its loop thread only. It uses the runner's slot
+table (`_slots`), queue (`_waiting` under `_lock`), `engine`, `prefix` cache, `grammars`,
+`prefill_budget`, `_prompt_only` and `_finish`; it returns the dispatched prefills as flights that
+the loop reads one pass later, like its steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from hkserve.engine.outputs import PendingScores, PendingTokens
+from hkserve.engine.prefix_cache import Reuse
+from hkserve.engine.requests import RequestStream
+from hkserve.engine.row_groups import RowGroups, RowOf
+from hkserve.engine.state import DecodeStateLost
+
+log = logging.getLogger("hkserve.runner")
+
+
+class SlotState(NamedTuple):
+    stream: RequestStream
+    produced: int  # tokens delivered
+    length: int  # tokens in the slot's memory once the dispatched device work completes
+
+
+class InFlight(NamedTuple):
+    owners: list[tuple[int, RequestStream]]
+    pending: PendingTokens
+    by_slot: bool  # rows indexed by slot (a step), or one row (a prefill)
+    scores: PendingScores | None = None  # a scoring prefill's prompt scores
+
+
+class Admission:
+    """Admission and prefill (see the module docstring); InferenceRunner provides the state."""
+
+    def _admit(self) -> list[InFlight]:
+        admitted = []
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        spent, taken = 0, 0
+        # Short prompts are prefilled several per call (row_groups.py), except in the prefix cache's
+        # exact mode, whose reuse needs every prompt's KV computed by the fixed-chunk prefill.
+        groups = RowGroups(self.engine, enabled=self.prefix.mode != "exact")
+        try:
+            while free and (not taken or spent < self.prefill_budget):
+                with self._lock:
+                    if not self._waiting:
+                        break
+                    stream = self._waiting.popleft()
+                request = stream.request
+                scoring = request.prompt_logprobs is not None  # scores every prompt token: reuses nothing
+                slot, reuse = self.prefix.place(request.prompt_ids, free, lookup=not scoring)
+                free.remove(slot)
+                spent, taken = spent + len(request.prompt_ids) - (reuse.length if reuse else 0), taken + 1
+                stream.admitted_at = time.monotonic()
+                if reuse is None and groups.takes(request):
+                    full = groups.add(slot, stream)
+                    admitted += self._prefill_rows(full) if full else []
+                    continue
+                admitted += self._prefill_one(slot, stream, free, reuse)
+            for group in groups.drain():
+                admitted += self._prefill_rows(group)
+        except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
+            self._prefill_failed([stream for group in groups.drain() for _, stream in group], None)
+            raise
+        return admitted
+
+    def _prefill_one(self, slot: int, stream: RequestStream, free: list[int], reuse: Reuse | None) -> list[InFlight]:
+        """One prompt's own prefill: with its prefix's KV reused, a grammar's first mask, or its scores."""
+        request = stream.request
+        scores = None
+        try:
+            # a constrained request's first token is sampled under its grammar's first mask
+            mask = self.grammars.bind(slot, request.grammar) if request.grammar and request.max_tokens else None
+            keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
+            if request.prompt_logprobs is None:
+                stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
+                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **keywords)
+            else:
+                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
+        except Exception as e:  # this request only: its slot stays free, the others go on
+            self.grammars.release(slot)
+            self.prefix.forget(slot)
+            self._prefill_failed([stream], e)
+            return []
+        self.prefix.admitted(slot, request.prompt_ids, exact=request.prompt_logprobs is None)
+        if request.max_tokens:
+            self._slots[slot] = SlotState(stream, 0, len(request.prompt_ids))
+        else:  # only the prompt's scores are wanted: the slot is free again at once
+            self._prompt_only.append(stream)
+            self.prefix.finished(slot, len(request.prompt_ids))
+            free.insert(0, slot)
+        return [InFlight([(slot, stream)], pending, False, scores)]
+
+    def _prefill_rows(self, group: list[tuple[int, RequestStream]]) -> list[InFlight]:
+        """One batched prefill of a group of short prompts (Engine.prefill_many): one flight per row."""
+        requests = [stream.request for _, stream in group]
+        try:
+            pending = self.engine.prefill_many(
+                [slot for slot, _ in group], [r.prompt_ids for r in requests], [r.sampling for r in requests]
+            )
+        except Exception as e:
+            if len(group) == 1 or isinstance(e, DecodeStateLost):  # these requests only: their slots stay free
+                for slot, _ in group:
+                    self.prefix.forget(slot)
+                self._prefill_failed([stream for _, stream in group], e)
+                return []
+            # Each alone, in the same program (same bits): only a request that fails alone fails.
+            flights = []
+            for i, member in enumerate(group):
+                try:
+                    flights += self._prefill_rows([member])
+                except DecodeStateLost:
+                    self._prefill_failed([stream for _, stream in group[i + 1 :]], None)
+                    raise
+            return flights
+        for slot, stream in group:
+            # Reusable in mode "on"; not in "exact" (another program than the fixed-chunk prefill computed it).
+            self.prefix.admitted(slot, stream.request.prompt_ids, exact=False)
+            stream.cached_tokens = 0 if self.prefix.mode != "off" else None
+            self._slots[slot] = SlotState(stream, 0, len(stream.request.prompt_ids))
+        return [InFlight([(slot, stream)], RowOf(pending, row), False) for row, (slot, stream) in enumerate(group)]
+
+    def _prefill_failed(self, streams: list[RequestStream], e: Exception | None) -> None:
+        """End requests whose prefill failed (e None: never tried, the decode state was lost before)."""
+        if e is not None and not isinstance(e, ValueError):
+            log.exception("prefill of request(s) %s failed", ", ".join(s.request.id for s in streams))
+        for stream in streams:
+            self._finish(None, stream, "error", f"the request could not be started: {e or 'the decode state was lost'}")
+        if isinstance(e, DecodeStateLost):
+            raise e  # every slot's state went with it: the loop fails the others and resets
