@@ -361,38 +361,22 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A8, matmul<1>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
+// The three targets share one signature: x, packed w, scale, layer → y; attributes isa, threads.
+#define HK_MATMUL_TARGET(name, planes)                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, matmul<planes>,         \
+                                ffi::Ffi::Bind()              \
+                                    .Ctx<ffi::ThreadPool>()   \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::U8>>()  \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<int64_t>("isa")     \
+                                    .Attr<int64_t>("threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A16, matmul<2>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8A32, matmul<0>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
+HK_MATMUL_TARGET(HkW8A8, 1)
+HK_MATMUL_TARGET(HkW8A16, 2)
+HK_MATMUL_TARGET(HkW8A32, 0)
 
 // What this CPU (and its OS) can run: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = neither.
 extern "C" int hk_cpu_isa() {
