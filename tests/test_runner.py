@@ -214,6 +214,35 @@ def test_a_request_failing_at_prefill_fails_only_itself(when):
         runner.stop()
 
 
+def test_a_request_submitted_as_its_predecessor_fails_is_served_after_the_reset():
+    """A client that resubmits the moment its request fails (here: on the loop thread, inside that
+    failure's handling, so the order is fixed) gets its new request served, not failed with the rest."""
+    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner.start(warmup=False)
+    try:
+        expected = ids(runner.generate(Request(PROMPT, 12)))
+        fail_prefill_of(runner.engine, BAD_PROMPT, "state lost")
+        running = runner.submit(Request(PROMPT, 40))
+        events = iter(running)
+        next(events)
+        again, push = [], running.push
+
+        def push_then_resubmit(event):
+            push(event)
+            if event.finish_reason == "error":
+                again.append(runner.submit(Request(PROMPT, 12)))
+
+        running.push = push_then_resubmit
+        assert list(runner.submit(Request(BAD_PROMPT, 12)))[-1].finish_reason == "error"
+        assert list(events)[-1].finish_reason == "error"
+        (stream,) = again
+        out = list(stream)
+        assert out[-1].finish_reason == "length", out[-1].error
+        assert [e.token.id for e in out if e.token] == expected
+    finally:
+        runner.stop()
+
+
 def test_a_prefill_that_loses_the_decode_state_fails_all_then_the_runner_recovers():
     runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
     runner.start(warmup=False)

@@ -327,11 +327,13 @@ class InferenceRunner(Admission):
 
     def _fail_all(self, error: str | None) -> None:
         reason = "error" if error else "cancelled"
+        # The queue is taken before any request hears its end: a client that submits again on seeing
+        # its request fail must find the new one admitted after the reset, not failed with the rest.
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
         for i, s in enumerate(self._slots):
             if s is not None:
                 self._finish(i, s.stream, reason, error)
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), collections.deque()
         prompt_only, self._prompt_only = self._prompt_only, []
         for stream in waiting + prompt_only:
             self._finish(None, stream, reason, error)
