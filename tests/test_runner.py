@@ -227,12 +227,12 @@ def test_a_request_submitted_as_its_predecessor_fails_is_served_after_the_reset(
         next(events)
         again, push = [], running.push
 
-        def push_then_resubmit(event):
-            push(event)
+        def resubmit_then_push(event):  # resubmitted before this thread can see the error
             if event.finish_reason == "error":
                 again.append(runner.submit(Request(PROMPT, 12)))
+            push(event)
 
-        running.push = push_then_resubmit
+        running.push = resubmit_then_push
         assert list(runner.submit(Request(BAD_PROMPT, 12)))[-1].finish_reason == "error"
         assert list(events)[-1].finish_reason == "error"
         (stream,) = again
