@@ -36,6 +36,18 @@ namespace {
 
 constexpr int QK = 32;  // activation block
 constexpr int NT = 64;  // output columns per packed tile
+// Prefetch distance in bytes: each loop asks for the weight lines this far ahead of the ones it reads.
+// The hardware prefetcher alone left hk_w8a32 at ~7 GB/s per core on the 2-core Xeon VM (its loop is
+// long per cache line); asking 4 KiB ahead made SmolLM2's batch-1 matmuls 1.7x faster (README.md).
+constexpr int PF = 4096;
+
+inline void prefetch_128(const uint8_t* q) {  // the AVX2 paths read a tile's 256-byte rows in halves
+  for (int i = 0; i < 2; ++i) _mm_prefetch(reinterpret_cast<const char*>(q + PF + 64 * i), _MM_HINT_T0);
+}
+
+inline void prefetch_256(const uint8_t* q) {
+  for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(q + PF + 64 * i), _MM_HINT_T0);
+}
 
 struct Problem {
   int64_t m, k, n, kp, np;  // rows, inputs, outputs, padded inputs, padded outputs
@@ -73,6 +85,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a8_rows_512(const Pr
         for (int i = 0; i < 4; ++i) a[r][j][i] = _mm512_setzero_si512();
     for (int g = 0; g < QK / 4; ++g) {
       const uint8_t* q = wt + (b * (QK / 4) + g) * 256;
+      prefetch_256(q);
       __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
       __m512i w2 = _mm512_loadu_si512(q + 128), w3 = _mm512_loadu_si512(q + 192);
       for (int r = 0; r < R; ++r) {
@@ -111,6 +124,7 @@ __attribute__((target("avx512f,avx512bw"))) void a32_rows_512(const Problem& p, 
     for (int i = 0; i < 4; ++i) f[r][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.kp / 4; ++g) {
     const uint8_t* q = wt + g * 256;
+    prefetch_256(q);
     for (int i = 0; i < 4; ++i) {
       __m512i v = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), flip);  // back to int8 lanes
       __m512 w[4] = {
@@ -151,6 +165,7 @@ __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t 
           for (int i = 0; i < 4; ++i) a[r][j][i] = _mm256_setzero_si256();
       for (int g = 0; g < QK / 4; ++g) {
         const uint8_t* q = wt + (b * (QK / 4) + g) * 256 + h * 128;
+        prefetch_128(q);
         __m256i w[4];
         for (int i = 0; i < 4; ++i)
           w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
@@ -190,6 +205,7 @@ __attribute__((target("avx2,fma"))) void a32_rows_avx2(const Problem& p, int64_t
       for (int i = 0; i < 4; ++i) f[r][i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.kp / 4; ++g) {
       const uint8_t* q = wt + g * 256 + h * 128;
+      prefetch_128(q);
       for (int i = 0; i < 4; ++i) {
         __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
         __m256 w[4] = {
