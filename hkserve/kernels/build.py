@@ -1,4 +1,5 @@
-"""Compile qmatmul.cc on first use into a cache keyed by the source, compiler, JAX headers and CPU.
+"""Compile the kernels (qmatmul.cc, attention.cc) on first use into a cache keyed by sources, compiler,
+JAX headers and CPU.
 
 Compiling on first use (not at install) keeps `pip install -e .` a pure-Python install that works
 without a compiler: a machine with no g++ (or a failing build) logs why and runs XLA's dots instead.
@@ -19,7 +20,9 @@ import jax
 import jaxlib
 
 log = logging.getLogger("hkserve.kernels")
-SOURCE = Path(__file__).with_name("qmatmul.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "qmatmul.cc", HERE / "attention.cc")  # one library
+HEADERS = (HERE / "threads.h",)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 
@@ -45,7 +48,12 @@ def compiler() -> str | None:
 
 def _key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), jaxlib.__version__.encode()]
+    parts = [
+        *(f.read_bytes() for f in SOURCES + HEADERS),
+        version.encode(),
+        " ".join(FLAGS).encode(),
+        jaxlib.__version__.encode(),
+    ]
     parts.append(cpu_flags().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
@@ -61,10 +69,11 @@ def library_path() -> Path | None:
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        log.warning("kernels: compiling %s with %s into %s (once per source and CPU)", SOURCE.name, cxx, target.parent)
+        names = ", ".join(f.name for f in SOURCES)
+        log.warning("kernels: compiling %s with %s into %s (once per source and CPU)", names, cxx, target.parent)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 log.warning("kernels: compile failed, using XLA's dots:\n%s", done.stderr[-4000:])

@@ -15,6 +15,7 @@ from hkserve.kernels.build import library_path
 log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
 TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
+ATTENTION = ("hk_decode_attention", "HkDecodeAttention")
 
 
 @functools.cache
@@ -24,7 +25,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in TARGETS.values():
+    for target, symbol in (*TARGETS.values(), ATTENTION):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
@@ -61,3 +62,36 @@ def matmul(
     call = jax.ffi.ffi_call(TARGETS[kind][0], jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     y = call(rows, packed, scale.astype(jnp.float32), index, isa=np.int64(isa), threads=np.int64(threads))
     return y.reshape(*x.shape[:-1], n)
+
+
+def decode_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_memory: jax.Array,
+    v_memory: jax.Array,
+    layer: jax.Array,
+    past_len: jax.Array,
+    window: jax.Array,
+    cap: float = 0.0,
+    threads: int = 0,
+) -> jax.Array:
+    """Attention of one new token per row (kernels/attention.cc): q [B, Hkv, G, D] (rotated and scaled),
+    the new token's k_new/v_new [B, Hkv, D], and the float32 memory [L, B, S, Hkv, D] of which layer
+    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D]."""
+    if library() is None:
+        raise RuntimeError("the kernel library is not available on this machine")
+    call = jax.ffi.ffi_call(ATTENTION[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return call(
+        q.astype(jnp.float32),
+        k_new.astype(jnp.float32),
+        v_new.astype(jnp.float32),
+        k_memory,
+        v_memory,
+        i32(layer),
+        i32(past_len),
+        i32(window),
+        cap=np.float32(cap),
+        threads=np.int64(threads),
+    )

@@ -20,17 +20,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
@@ -299,41 +295,6 @@ __attribute__((target("avx2,fma"))) void quantize_rows(const float* x, int64_t m
   }
 }
 
-// ---------------------------------------------------------------- threads
-
-// Shared by the caller and the helper tasks it schedules; helpers hold it alive by shared_ptr, so a
-// helper that starts after the call returned touches only this, finds it closed, and leaves.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int> active{0};
-  std::atomic<bool> closed{false};
-};
-
-template <typename F>
-void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const F& body) {
-  int64_t helpers = std::min<int64_t>(threads - 1, tiles - 1);
-  if (helpers <= 0) {
-    for (int64_t t = 0; t < tiles; ++t) body(t);
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  auto drain = [work, tiles, &body] {
-    for (int64_t t; (t = work->next.fetch_add(1)) < tiles;) body(t);
-  };
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([work, drain] {
-      work->active.fetch_add(1);
-      if (!work->closed.load()) drain();
-      work->active.fetch_sub(1);
-    });
-  }
-  drain();
-  work->closed.store(true);
-  for (int spins = 0; work->active.load() != 0; ++spins) {  // only helpers already running a tile
-    if (spins > 1000) std::this_thread::yield();
-  }
-}
-
 // w is one packed weight [N/64, K/4, 64, 4] with scale [N], or a scanned layer stack of them
 // [L, N/64, K/4, 64, 4] with scale [L, N], of which `layer` (an int32 scalar in host memory, the
 // scan's index) is read in place: slicing it out in XLA would copy every layer's weight every step.
@@ -371,7 +332,7 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // weights in about half the time of one (hkserve/kernels/README.md).
   if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
   auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A>(p, t) : run_tile<1, A>(p, t); };
-  parallel_tiles(pool, p.np / NT, threads, body);
+  hk::parallel_tiles(pool, p.np / NT, threads, body);
   return ffi::Error::Success();
 }
 

@@ -12,6 +12,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from hkserve.kernels import dispatch, ffi
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, Linear, RMSNorm, norm_dtype, param_dtype
 
@@ -65,9 +66,10 @@ class Attention(hk.Module):
         super().__init__(name=name)
         self.c = config
 
-    def __call__(self, x, positions, k_past, v_past, past_len, window, theta):
+    def __call__(self, x, positions, k_past, v_past, past_len, window, theta, memory=None):
         """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
-        window: this layer's sliding window (0 = none); theta: its RoPE base.
+        window: this layer's sliding window (0 = none); theta: its RoPE base. `memory` (decode with the
+        CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer) read in place instead of k_past/v_past.
 
         Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
         """
@@ -85,6 +87,11 @@ class Attention(hk.Module):
         k = rope(k, positions, inv_freq)
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
+        if memory is not None:
+            threads = dispatch.active().threads
+            out = ffi.decode_attention(q[:, 0], k[:, 0], v[:, 0], *memory, past_len, window, c.attn_logit_cap, threads)
+            out = Linear(c.dim, param_dtype(c), "o_proj")(out.reshape(b, t, c.n_heads * c.head_dim))
+            return out, k, v
         neg = jnp.finfo(F32).min
 
         def cap(scores):  # soft cap on the attention logits (grok-1, Gemma 2)

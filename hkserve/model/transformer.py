@@ -44,15 +44,28 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
         with layer_weights.at_layer(layer):
             return _block(x, layer, window, theta)
 
+    # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc).
+    in_place = (
+        dispatch.active() is not None
+        and slots is None
+        and t == 1
+        and memory.k.dtype == jnp.float32
+        and c.head_dim % 16 == 0
+    )
+
     def _block(x, layer, window, theta):
-        # Read this layer's past straight from the memory (no stacked copy of the window is made).
-        k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
-        v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
-        if slots is None:
-            k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
-        else:
-            k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
-        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta)
+        if in_place:
+            k_past = v_past = None
+            held = (memory.k, memory.v, layer)
+        else:  # read this layer's past straight from the memory (no stacked copy of the window is made)
+            k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
+            v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
+            if slots is None:
+                k_past, v_past = k_past[:, :attend_len], v_past[:, :attend_len]  # [B, W, Hkv, Dh]
+            else:
+                k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
+            held = None
+        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held)
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
         x = x + h

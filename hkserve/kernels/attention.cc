@@ -1,0 +1,159 @@
+// Decode attention (one new token per row) that reads the KV memory where it lies.
+//
+// XLA's CPU dots need each layer's past keys and values as a contiguous, transposed
+// [B, Hkv, W, Dh] copy (and the values concatenated with the new one) before they can multiply:
+// at 16 slots those copies and small batched dots were a third of a SmolLM2 step. This kernel takes
+// the whole memory [L, B, S, Hkv, Dh], the scan's layer index and each row's past length, and reads
+// only the positions each row can see.
+//
+//   y[b, h, g] = sum_s p_s v_s over the row's visible past s (s < past_len[b], and within the
+//   sliding window if any) and the new token, p = softmax(cap(q . k)), as hkserve/model/attention.py.
+//
+// Every (row, kv head) is one work item; its arithmetic is the same whatever the batch, so a
+// request's result does not depend on the others (batch invariance).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+constexpr int LANES = 16;  // partial sums of a dot product, added in one fixed order at the end
+
+// q . k over d values (a multiple of 16): 16 independent partial sums, which the compiler keeps in
+// vector registers, then a fixed pairwise reduction.
+__attribute__((target("avx2,fma"))) float dot(const float* a, const float* b, int64_t d) {
+  float acc[LANES] = {};
+  for (int64_t i = 0; i < d; i += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
+  for (int width = LANES / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+  return acc[0];
+}
+
+__attribute__((target("avx2,fma"))) void axpy(float p, const float* v, float* y, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) y[i] += p * v[i];
+}
+
+// e^x for 8 values (x <= 0 here: scores minus their maximum), Cephes' expf: x = n ln2 + r, a degree-6
+// polynomial in r, times 2^n; ~1 ulp. std::exp is a libm call per score, which made the kernel
+// slower than XLA's vectorized softmax.
+__attribute__((target("avx2,fma"))) __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // e^-87 is still a normal float; below it ~0 anyway
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// x[i] = e^(x[i] - top) for i < n; returns their sum (8 partial sums, then a fixed order).
+__attribute__((target("avx2,fma"))) float exp_shifted(float* x, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), t));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  if (i < n) {  // the tail through the same exp8, so a value never depends on where it falls
+    alignas(32) float tail[8] = {};
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), t)));
+    for (int64_t j = 0; j < n - i; ++j) total += (x[i + j] = tail[j]);
+  }
+  return total;
+}
+
+struct Rows {
+  int64_t b, h, g, d, s;  // rows, kv heads, query heads per kv head, head dim, memory positions
+  const float *q, *k_new, *v_new, *k, *v;  // q [B,H,G,D]; new [B,H,D]; memory at the layer [B,S,H,D]
+  const int32_t* past_len;                // [B]
+  int32_t window;                         // > 0: only the last `window` positions, the new one included
+  float cap;                              // > 0: cap * tanh(score / cap)
+  float* y;                               // [B,H,G,D]
+};
+
+__attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, std::vector<float>& scores) {
+  const int64_t b = item / r.h, h = item % r.h, stride = r.h * r.d;
+  const int64_t len = std::clamp<int64_t>(r.past_len[b], 0, r.s);
+  const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window + 1) : 0;
+  const float* kb = r.k + b * r.s * stride + h * r.d;  // key of position s at kb + s * stride
+  const float* vb = r.v + b * r.s * stride + h * r.d;
+  const float* kn = r.k_new + (b * r.h + h) * r.d;
+  const float* vn = r.v_new + (b * r.h + h) * r.d;
+  scores.resize(len - lo + 1);
+  for (int64_t g = 0; g < r.g; ++g) {
+    const float* q = r.q + ((b * r.h + h) * r.g + g) * r.d;
+    float* y = r.y + ((b * r.h + h) * r.g + g) * r.d;
+    float top = -INFINITY;
+    for (int64_t s = lo; s <= len; ++s) {  // s == len: the new token
+      float x = dot(q, s < len ? kb + s * stride : kn, r.d);
+      if (r.cap > 0.f) x = r.cap * std::tanh(x / r.cap);
+      scores[s - lo] = x;
+      top = std::max(top, x);
+    }
+    float total = exp_shifted(scores.data(), len - lo + 1, top);
+    std::fill(y, y + r.d, 0.f);
+    for (int64_t s = lo; s <= len; ++s) axpy(scores[s - lo] / total, s < len ? vb + s * stride : vn, y, r.d);
+  }
+}
+
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> past_len,
+                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> y, float cap,
+                            int64_t threads) {
+  auto qd = q.dimensions(), md = k.dimensions();
+  if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[1] != qd[0] || md[3] != qd[1] ||
+      md[4] != qd[3] || qd[3] % LANES || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
+      v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
+      layer.element_count() != 1 || window.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "hk decode attention: q [B,H,G,D] (D a multiple of 16), new k/v [B,H,D], memory [L,B,S,H,D], "
+        "past_len [B], layer and window scalars");
+  int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= md[0]) return ffi::Error::InvalidArgument("hk decode attention: layer index out of range");
+  Rows r{qd[0], qd[1], qd[2], qd[3], md[2]};
+  const int64_t at = l * md[1] * md[2] * md[3] * md[4];
+  r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
+  r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
+  r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
+  if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
+  hk::parallel_tiles(pool, r.b * r.h, threads, [&r](int64_t item) {
+    thread_local std::vector<float> scores;
+    attend(r, item, scores);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkDecodeAttention, decode_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k memory
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v memory
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // past_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("cap")
+                                  .Attr<int64_t>("threads"));

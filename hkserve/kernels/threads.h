@@ -1,0 +1,52 @@
+// Splitting a kernel's independent items over XLA's intra-op thread pool (the FFI ThreadPool
+// context): the calling thread takes items too, helpers take them from an atomic counter, and the
+// caller waits only for helpers that already started one, so a busy pool costs parallelism, never a
+// stall, and two kernels running at once on a small pool cannot deadlock.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hk {
+
+// Shared by the caller and the helper tasks it schedules; helpers hold it alive by shared_ptr, so a
+// helper that starts after the call returned touches only this, finds it closed, and leaves.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> closed{false};
+};
+
+template <typename F>
+inline void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const F& body) {
+  int64_t helpers = std::min<int64_t>(threads - 1, tiles - 1);
+  if (helpers <= 0) {
+    for (int64_t t = 0; t < tiles; ++t) body(t);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  auto drain = [work, tiles, &body] {
+    for (int64_t t; (t = work->next.fetch_add(1)) < tiles;) body(t);
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, drain] {
+      work->active.fetch_add(1);
+      if (!work->closed.load()) drain();
+      work->active.fetch_sub(1);
+    });
+  }
+  drain();
+  work->closed.store(true);
+  for (int spins = 0; work->active.load() != 0; ++spins) {  // only helpers already running a tile
+    if (spins > 1000) std::this_thread::yield();
+  }
+}
+
+}  // namespace hk
