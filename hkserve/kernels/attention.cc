@@ -23,21 +23,34 @@
 
 namespace {
 
-constexpr int LANES = 16;  // partial sums of a dot product, added in one fixed order at the end
-
-// q . k over d values (a multiple of 16): 16 independent partial sums, which the compiler keeps in
-// vector registers, then a fixed pairwise reduction.
-__attribute__((target("avx2,fma"))) float dot(const float* a, const float* b, int64_t d) {
-  float acc[LANES] = {};
-  for (int64_t i = 0; i < d; i += LANES)
-    for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
-  for (int width = LANES / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
-  return acc[0];
+// Scores of 8 keys at once: one 8-lane sum per key over d (a multiple of 8), then the 8 sums
+// transposed into one vector by a fixed hadd tree. Every key goes through this path (the last block
+// padded with repeats), so a score never depends on where its key falls.
+__attribute__((target("avx2,fma"))) __m256 dot8(const float* q, const float* const* keys, int64_t d) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + i), a[j]);
+  }
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-__attribute__((target("avx2,fma"))) void axpy(float p, const float* v, float* y, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) y[i] += p * v[i];
+// y[0:d] = sum_i p[i] * rows[i][0:d], 64 columns at a time in registers, rows in order.
+__attribute__((target("avx2,fma"))) void weighted_sum(const float* p, const float* const* rows, int64_t n, float* y,
+                                                      int64_t d) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(64, d - d0) / 8);
+    __m256 o[8];
+    for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      __m256 pv = _mm256_set1_ps(p[i]);
+      for (int c = 0; c < chunks; ++c) o[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(rows[i] + d0 + 8 * c), o[c]);
+    }
+    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(y + d0 + 8 * c, o[c]);
+  }
 }
 
 // e^x for 8 values (x <= 0 here: scores minus their maximum), Cephes' expf: x = n ln2 + r, a degree-6
@@ -88,28 +101,35 @@ struct Rows {
   float* y;                               // [B,H,G,D]
 };
 
-__attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, std::vector<float>& scores) {
+struct Scratch {
+  std::vector<const float*> keys, values;  // the visible keys' and values' rows, the new token's last
+  std::vector<float> scores;
+};
+
+__attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, Scratch& t) {
   const int64_t b = item / r.h, h = item % r.h, stride = r.h * r.d;
   const int64_t len = std::clamp<int64_t>(r.past_len[b], 0, r.s);
   const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window + 1) : 0;
-  const float* kb = r.k + b * r.s * stride + h * r.d;  // key of position s at kb + s * stride
+  const int64_t n = len - lo + 1, padded = (n + 7) / 8 * 8;
+  const float* kb = r.k + b * r.s * stride + h * r.d;  // position s at kb + s * stride
   const float* vb = r.v + b * r.s * stride + h * r.d;
-  const float* kn = r.k_new + (b * r.h + h) * r.d;
-  const float* vn = r.v_new + (b * r.h + h) * r.d;
-  scores.resize(len - lo + 1);
+  t.keys.assign(padded, r.k_new + (b * r.h + h) * r.d);  // the new token's key, and the padding
+  t.values.resize(n);
+  for (int64_t s = lo; s < len; ++s) t.keys[s - lo] = kb + s * stride, t.values[s - lo] = vb + s * stride;
+  t.values[n - 1] = r.v_new + (b * r.h + h) * r.d;
+  t.scores.resize(padded);
   for (int64_t g = 0; g < r.g; ++g) {
     const float* q = r.q + ((b * r.h + h) * r.g + g) * r.d;
-    float* y = r.y + ((b * r.h + h) * r.g + g) * r.d;
+    for (int64_t i = 0; i < padded; i += 8) _mm256_storeu_ps(t.scores.data() + i, dot8(q, t.keys.data() + i, r.d));
     float top = -INFINITY;
-    for (int64_t s = lo; s <= len; ++s) {  // s == len: the new token
-      float x = dot(q, s < len ? kb + s * stride : kn, r.d);
+    for (int64_t i = 0; i < n; ++i) {
+      float& x = t.scores[i];
       if (r.cap > 0.f) x = r.cap * std::tanh(x / r.cap);
-      scores[s - lo] = x;
       top = std::max(top, x);
     }
-    float total = exp_shifted(scores.data(), len - lo + 1, top);
-    std::fill(y, y + r.d, 0.f);
-    for (int64_t s = lo; s <= len; ++s) axpy(scores[s - lo] / total, s < len ? vb + s * stride : vn, y, r.d);
+    float total = exp_shifted(t.scores.data(), n, top);
+    for (int64_t i = 0; i < n; ++i) t.scores[i] /= total;
+    weighted_sum(t.scores.data(), t.values.data(), n, r.y + ((b * r.h + h) * r.g + g) * r.d, r.d);
   }
 }
 
@@ -120,7 +140,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             int64_t threads) {
   auto qd = q.dimensions(), md = k.dimensions();
   if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[1] != qd[0] || md[3] != qd[1] ||
-      md[4] != qd[3] || qd[3] % LANES || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
+      md[4] != qd[3] || qd[3] % 16 || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
       v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
       layer.element_count() != 1 || window.element_count() != 1)
     return ffi::Error::InvalidArgument(
@@ -135,8 +155,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
   if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
   hk::parallel_tiles(pool, r.b * r.h, threads, [&r](int64_t item) {
-    thread_local std::vector<float> scores;
-    attend(r, item, scores);
+    thread_local Scratch scratch;
+    attend(r, item, scratch);
   });
   return ffi::Error::Success();
 }
