@@ -3,8 +3,9 @@
 auto is the weight-only kernel (float32 activations: the quality of XLA's int8 path, SmolLM2 +0.8%
 perplexity against float32); w8a8 also quantizes the activations per 32 values, which is faster but
 cost +3.1% perplexity on the Genesis excerpt, beyond the 1% the default must keep; w8a16 holds each
-block of 32 activations as two int8 planes (the residual quantized again): float32's perplexity to 4
-digits, faster than auto at batch 1, slower from a few rows on (twice w8a8's integer products).
+block of 32 activations as two int8 planes (the residual quantized again): auto's perplexity to 4
+digits, but since the weight loads are prefetched (kernels/README.md) slower than auto at batch 1 and
+at 16 rows alike (twice w8a8's integer products).
 
 The decoder reads the active spec while it is traced (`using(spec)`), so one model function serves
 both paths and the choice is made once, where the model is built.
@@ -58,10 +59,10 @@ def add_kernels_argument(p) -> None:
         "--kernels",
         default="auto",
         choices=list(CHOICES),
-        help="int8 matrix products: auto = the C++ CPU kernel (int8 weights x float32 activations) where it "
-        "applies (int8 weights, CPU, 1x1 mesh); w8a16 = activations as two int8 planes per 32 values (same "
-        "perplexity, faster at batch 1, slower at 16 rows); w8a8 = activations quantized per 32 values "
-        "(fastest, +3%% perplexity on SmolLM2); xla = XLA's dots",
+        help="int8 matrix products: auto = the C++ CPU kernels (int8 weights x float32 activations, and "
+        "decode attention reading the KV memory in place) where they apply (int8 weights, CPU, 1x1 mesh); "
+        "w8a16 = activations as two int8 planes per 32 values (same perplexity, slower than auto here); "
+        "w8a8 = activations quantized per 32 values (fastest, +3%% perplexity on SmolLM2); xla = XLA's dots",
     )
 
 
