@@ -83,7 +83,7 @@ def bench_kernels(store, args, prompts: np.ndarray, slot_counts: list[int]) -> d
             model = build_model(config, spec)
             for n in slot_counts:
                 engine = Engine(model, params, slots=n, max_len=args.max_len)
-                _one_run(engine, prompts, 4)  # compiles the prefill and the step
+                _one_run(engine, prompts, args.steps)  # compiles the prefill and every window the steps reach
                 sides[(label, n)] = engine
     peer, note = _llama_cpp_side(args.llama_gguf, prompts[0].tolist(), args.steps, args.llama_threads)
     if peer is not None:

@@ -135,8 +135,8 @@ def _authenticate_leader(sock: socket.socket, secret: bytes, host_id: int) -> No
 
 def _reader(sock: socket.socket, on_message: Callable[[dict], None], on_lost: Callable[[str], None]) -> None:
     """Read frames until the peer is gone; heartbeats only prove liveness."""
-    sock.settimeout(TIMEOUT_S)
     try:
+        sock.settimeout(TIMEOUT_S)  # inside: a channel closed before this thread ran is a loss like any
         while True:
             message = recv_frame(sock)
             if message.get("op") != "hb":
