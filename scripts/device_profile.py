@@ -97,10 +97,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--trace-steps", type=int, default=8, help="0: no trace")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", choices=("auto", "scan", "loop"), default="auto")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     config = random_config(args.random, WEIGHTS["bf16"])
-    model, params = build_model(config), random_params(config)
+    model, params = build_model(config, layers=None if args.layers == "auto" else args.layers), random_params(config)
     rng = np.random.default_rng(0)
     report = {"model": f"random:{args.random}", "device": str(jax.devices()[0].device_kind), "slots": {}}
     for slots in [int(s) for s in args.slots.split(",")]:

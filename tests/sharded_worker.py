@@ -20,7 +20,7 @@ from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
 # int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them
-MESHES_OF_KIND = {"tiny-int8": ["1x1", "2x4"]}
+MESHES_OF_KIND = {"tiny-int8": ["1x1", "2x4"], "tiny-loop": ["1x1", "1x8", "2x4"]}
 
 
 def mesh_for(name: str):
@@ -59,14 +59,14 @@ def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
 
 def main(kind: str, out: str, home: str | None = None) -> None:
     assert len(jax.devices()) == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    if kind in ("tiny", "tiny-int8"):
+    if kind in ("tiny", "tiny-int8", "tiny-loop"):
         config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
         host_params = build_model(config).init(jax.random.PRNGKey(3))
         if kind == "tiny-int8":  # int8 values and their scales sharded by the same rules
             from hkserve.checkpoint.quantize import convert_params
 
             config, host_params = convert_params(jax.tree_util.tree_map(np.asarray, host_params), config, "int8")
-        model = build_model(config)
+        model = build_model(config, layers="loop" if kind == "tiny-loop" else "scan")  # the loop: the GPU default
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 96, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 2)]
         max_tokens, stop_ids = 12, ()

@@ -5,6 +5,9 @@ everything many slots and long prompts need, once."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -132,3 +135,35 @@ def test_prefix_suffixes_of_any_length_and_window_compile_nothing_after_warmup(c
     for reused, total in ((150, 153), (100, 130), (16, 60), (140, 250)):  # 3..110 tokens, 1-4 chunks
         engine.prefill(1, prompt[:total], SamplingParams(), Reuse(source=0, length=reused)).read()
     assert compiles == []
+
+
+def test_gpu_command_buffers_are_added_to_xla_flags_unless_named_or_turned_off(monkeypatch):
+    from hkserve.cli.main import main
+    from hkserve.cli.xla_flags import COMMAND_BUFFERS, apply_gpu_defaults, with_gpu_defaults
+
+    assert with_gpu_defaults("") == COMMAND_BUFFERS
+    assert with_gpu_defaults("--xla_force_host_platform_device_count=8").split() == [
+        "--xla_force_host_platform_device_count=8",
+        COMMAND_BUFFERS,
+    ]
+    own = "--xla_gpu_enable_command_buffer=FUSION"
+    assert with_gpu_defaults(own) == own
+    env = {"XLA_FLAGS": "--xla_cpu_foo=1", "HKSERVE_XLA_DEFAULTS": "0"}
+    apply_gpu_defaults(env)
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1"
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("HKSERVE_XLA_DEFAULTS", raising=False)
+    monkeypatch.setenv("HKSERVE_HOME", "/nonexistent-hkserve-home")
+    main(["models"])  # every command sets them before it touches a device
+    assert os.environ["XLA_FLAGS"] == COMMAND_BUFFERS
+
+
+def test_this_jaxlib_accepts_the_gpu_options_on_the_cpu():
+    """An XLA option the installed jaxlib does not know aborts the process at backend start."""
+    from hkserve.cli.xla_flags import COMMAND_BUFFERS
+
+    code = "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
+    env = {**os.environ, "XLA_FLAGS": COMMAND_BUFFERS, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "3.0"

@@ -40,6 +40,15 @@ def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
     assert_meshes_agree(run_worker("tiny", str(tmp_path / "tiny.npz")))
 
 
+@pytest.mark.timeout(1500)
+def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tmp_path):
+    """The GPU default (hkserve/model/layer_loop.py): per-layer weights sharded by their stacks' rules."""
+    loop = run_worker("tiny-loop", str(tmp_path / "loop.npz"))
+    assert_meshes_agree(loop, ["1x8", "2x4"])
+    scan = run_worker("tiny", str(tmp_path / "tiny.npz"))
+    np.testing.assert_array_equal(loop["1x1/tokens"], scan["1x1/tokens"])
+
+
 @pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite
 @pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
 def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):

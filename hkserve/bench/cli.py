@@ -77,6 +77,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="with --weights: measure each variant with these kernel paths instead (auto,xla), sides alternated; "
         "with --background-load: each XLA setting with each of these (for --dtype int8)",
     )
+    p.add_argument(
+        "--layers",
+        choices=("auto", "scan", "loop"),
+        default="auto",
+        help="the decoder's blocks as a scan over stacked weights or a loop over per-layer ones (auto: loop on GPUs)",
+    )
     p.add_argument("--llama-gguf", default=None, help="with --kernels: a GGUF file for the llama.cpp peer")
     p.add_argument("--llama-threads", type=int, default=2, help="threads of the llama.cpp peer")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")

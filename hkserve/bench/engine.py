@@ -29,6 +29,7 @@ from hkserve.bench.peer import WARMUP_STEPS, run_peer
 from hkserve.bench.random_models import random_config, random_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.model import layer_loop
 from hkserve.model.build import build_model
 from hkserve.model.config import WEIGHTS, default_weights
 from hkserve.model.sampling import SamplingParams
@@ -94,7 +95,7 @@ def cmd_bench_engine(args) -> int:
     backend = jax.default_backend()
     weights = default_weights(backend, args.dtype)
     name, config, params = load_weights(args, weights)
-    model = build_model(config)
+    model = build_model(config, layers=None if args.layers == "auto" else args.layers)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (max(args.slots + args.hf_batches), args.prompt_len), np.int32)
 
@@ -133,6 +134,8 @@ def cmd_bench_engine(args) -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "backend": backend,
+        "layers": layer_loop.default_mode() if args.layers == "auto" else args.layers,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "cpu_busy_before": busy,

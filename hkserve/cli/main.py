@@ -21,6 +21,7 @@ from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, run_server
 from hkserve.cli.speculative import add_arguments as add_speculative_arguments
+from hkserve.cli.xla_flags import apply_gpu_defaults
 from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        apply_gpu_defaults()  # before the first device use starts JAX's backend
         enable_compile_cache()
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:

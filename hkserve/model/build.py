@@ -13,14 +13,15 @@ from hkserve.model.transformer import build_kv_model
 from hkserve.model.vq_model import build_vq_model
 
 
-def build_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Model:
+def build_model(config: ModelConfig, kernels: KernelSpec | None = None, layers: str | None = None) -> Model:
     """The KV decoder (transformer.py) or, for memory="vq", Transformer-VQ's (vq_model.py). `kernels`
-    (kernels/dispatch.py `resolve`) runs a KV decoder's int8 products through the CPU kernels."""
+    (kernels/dispatch.py `resolve`) runs a KV decoder's int8 products through the CPU kernels; `layers`
+    "scan" or "loop" (layer_loop.py; None: the backend's default) how its blocks run."""
     if config.memory == "vq":
         if kernels is not None:
             raise ValueError("the CPU kernels serve KV-memory models only")
         return build_vq_model(config)
-    return build_kv_model(config, kernels)
+    return build_kv_model(config, kernels, layers)
 
 
 @functools.cache

@@ -24,13 +24,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.model import layer_loop
 from hkserve.model.config import ModelConfig
 from hkserve.model.memory import KVMemory
 from hkserve.model.vq_memory import VQMemory
 
 # (path regex, spec, unit) — the spec lists one entry per dim; "model" = shard that dim when the
 # axis divides `unit` (a config field: whole heads only), or the dim itself when unit is None.
-# Stacked layer params carry a leading [L] dim (never sharded).
+# Stacked layer params carry a leading [L] dim (never sharded); one layer's weight
+# of the layer loop ("decoder/layer_i/...", layer_loop.py) follows its stack's rule without it.
 PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/embed/embeddings$", P("model", None), None),  # [V, D]: vocab-parallel
     (r"decoder/lm_head/w$", P(None, "model"), None),  # [D, V]
@@ -106,11 +108,14 @@ def param_specs(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
             if leaf.dtype == np.uint8:  # packed for the CPU kernels, which run on a 1x1 mesh: replicated
                 specs.setdefault(module, {})[name] = P(*([None] * len(leaf.shape)))
                 continue
-            rule = next((r for r in PARAM_RULES if re.search(r[0], path)), None)
+            stacked = layer_loop.stacked_path(path)  # one layer's weight follows its stack's rule
+            rule = next((r for r in PARAM_RULES if re.search(r[0], stacked or path)), None)
             if rule is None:
                 raise ValueError(f"no partition rule matches param {path!r}")
             units = getattr(config, rule[2]) if rule[2] else None
-            specs.setdefault(module, {})[name] = _fit(rule[1], tuple(leaf.shape), mesh, units)
+            shape = (1, *leaf.shape) if stacked else tuple(leaf.shape)
+            spec = _fit(rule[1], shape, mesh, units)
+            specs.setdefault(module, {})[name] = P(*spec[1:]) if stacked else spec
     return specs
 
 

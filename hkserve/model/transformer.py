@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from hkserve.kernels import dispatch
 from hkserve.kernels.dispatch import KernelSpec
-from hkserve.model import layer_weights
+from hkserve.model import layer_loop, layer_weights
 from hkserve.model.attention import Attention
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
@@ -25,7 +25,9 @@ from hkserve.model.model import Model
 from hkserve.model.packing import pack_params
 
 
-def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool):
+def _decoder(
+    config: ModelConfig, layers: str, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool
+):
     c = config
     dtype, ndtype = param_dtype(c), norm_dtype(c)
     b, t = tokens.shape
@@ -75,13 +77,21 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
             h = norm("post_mlp_norm")(h)
         return x + h, (k_new, v_new)
 
-    stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
     per_layer = (
         jnp.arange(c.n_layers),
         jnp.asarray(c.layer_windows(), jnp.int32),
         jnp.asarray(c.layer_rope_thetas(), F32),
     )
-    x, (k_new, v_new) = stack(block)(x, per_layer)  # k_new: [L, b, T, Hkv, Dh]
+    if layers == "loop":  # per-layer weights, no slices of a stack (layer_loop.py)
+        new = []
+        for i in range(c.n_layers):
+            with hk.experimental.name_scope(layer_loop.layer_scope(i)):
+                x, kv = block(x, (i, per_layer[1][i], per_layer[2][i]))
+            new.append(kv)
+        k_new, v_new = (jnp.stack(parts) for parts in zip(*new, strict=True))
+    else:
+        stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
+        x, (k_new, v_new) = stack(block)(x, per_layer)  # k_new: [L, b, T, Hkv, Dh]
 
     # Write the new keys once, outside the scan, so the donated memory is updated in place.
     # Padding (t >= lengths[b]) goes to index S, which mode="drop" discards.
@@ -109,21 +119,33 @@ def _decoder(config: ModelConfig, tokens, memory: KVMemory, lengths, slots, atte
     return logits, memory
 
 
-def _transform(config: ModelConfig, kernels: KernelSpec | None):
+def _transform(config: ModelConfig, kernels: KernelSpec | None, layers: str = "scan"):
     def fn(tokens, memory, lengths, slots, attend_len, last_only):
         with dispatch.using(kernels), hk.experimental.name_scope("decoder"):
-            return _decoder(config, tokens, memory, lengths, slots, attend_len, last_only)
+            return _decoder(config, layers, tokens, memory, lengths, slots, attend_len, last_only)
 
     return hk.without_apply_rng(hk.transform(fn))
 
 
-def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Model:
+def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layers: str | None = None) -> Model:
     """The KV-memory decoder of `config` (Llama-family, MoE, grok-1, Qwen, Gemma and Phi-3 options).
 
     With `kernels` (CPU, int8 weights) its forward runs the int8 matrix products through the C++
-    kernels and takes params that `prepare` packed once from the stored ones; `init` stays plain."""
+    kernels and takes params that `prepare` packed once from the stored ones; `init` stays plain.
+    `layers` "loop" (the default on GPUs, layer_loop.py) runs the blocks as a Python loop over the
+    per-layer weights that `prepare` unstacks once; forward takes stacked params too (slicing them)."""
+    layers = layer_loop.default_mode() if layers is None else layers
+    if layers not in layer_loop.MODES:
+        raise ValueError(f"layers must be one of {', '.join(layer_loop.MODES)}, got {layers!r}")
+    if layers == "loop" and kernels is not None:
+        raise ValueError("the CPU kernels read the stacked layer weights: use layers='scan' with them")
     plain = _transform(config, None)
-    transformed = _transform(config, kernels) if kernels is not None else plain
+    if kernels is not None:
+        transformed = _transform(config, kernels)
+    elif layers == "loop":
+        transformed = _transform(config, None, "loop")
+    else:
+        transformed = plain
 
     def init_args():
         return jnp.zeros((1, 1), jnp.int32), init_memory(config, 1, 1), jnp.ones((1,), jnp.int32), None, 1, False
@@ -141,12 +163,17 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None) -> Mo
         serving picks it from a few buckets so decode cost follows the context actually in use.
         """
         attend_len = memory.max_len if attend_len is None else attend_len
+        if layers == "loop" and not layer_loop.is_unstacked(params):
+            params = layer_loop.unstack(params, config.n_layers)
         if kernels is None:
             return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
         params, held = layer_weights.split(params)  # the kernels read these in place (layer_weights.py)
         with layer_weights.holding(held):
             return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
 
+    if layers == "loop":
+        unstack = functools.partial(layer_loop.unstack, n_layers=config.n_layers)
+        return Model(config=config, init=init, forward=forward, prepare=unstack)
     if kernels is None:
         return Model(config=config, init=init, forward=forward)
     served = jax.eval_shape(lambda: transformed.init(jax.random.PRNGKey(0), *init_args()))
