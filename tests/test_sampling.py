@@ -18,6 +18,7 @@ from hkserve.model.sampling import (
     _filter,
     adjust_logits,
     empty_history,
+    first_argmax,
     make_settings,
     sample,
 )
@@ -49,6 +50,37 @@ def test_temperature_zero_is_greedy_and_logprobs_are_log_softmax():
     np.testing.assert_allclose(out.top_logprobs, np.sort(np.asarray(ref), -1)[:, ::-1][:, :5], atol=1e-6)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-np.asarray(ref), -1)[:, :5])
     assert np.all(np.exp(out.top_logprobs).sum(-1) <= 1 + 1e-6)
+
+
+def test_first_argmax_is_argmax_ties_included():
+    rng = np.random.default_rng(4)
+    x = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)  # many ties of the largest value
+    x[5] = -np.inf
+    x[6, 30:] = np.inf
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), np.argmax(x, -1))
+    assert int(first_argmax(jnp.asarray([[np.nan, 1.0, 2.0]]))[0]) == 2  # no largest value: in range
+
+
+def test_penalties_skipped_or_run_change_no_bit_of_rows_without_them():
+    """The penalties run only when some row has one: a row without them gets the same bits either way."""
+    logits = logits_batch(seed=2)
+    counts = jnp.asarray(np.random.default_rng(3).integers(0, 3, (B, V)), jnp.int32)
+    history = TokenHistory(counts, jnp.asarray(np.random.default_rng(5).random((B, V)) < 0.3))
+    plain = [SamplingParams(temperature=0.7, seed=i, logit_bias={i: 1.5}) for i in range(B)]
+    penalized = plain[:-1] + [SamplingParams(temperature=0.7, seed=B, repetition_penalty=1.3, presence_penalty=0.5)]
+    adjust = jax.jit(adjust_logits)
+    settings = {
+        name: jax.tree_util.tree_map(jnp.asarray, make_settings(rows, V))
+        for name, rows in (("plain", plain), ("penalized", penalized))
+    }
+    skipped = np.asarray(adjust(logits, settings["plain"], history))
+    run = np.asarray(adjust(logits, settings["penalized"], history))
+    np.testing.assert_array_equal(skipped, np.asarray(logits + settings["plain"].logit_bias))
+    np.testing.assert_array_equal(run[:-1], skipped[:-1])
+    assert not np.array_equal(run[-1], skipped[-1])
+    alone, among = draw(logits, plain, history=history), draw(logits, penalized, history=history)
+    for field in ("token", "logprob", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(among, field)[:-1], getattr(alone, field)[:-1], err_msg=field)
 
 
 def test_same_seed_same_tokens_and_rows_independent_of_batch_mates():

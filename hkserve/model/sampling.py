@@ -167,16 +167,34 @@ def empty_history(batch: int, vocab_size: int) -> TokenHistory:
 
 
 def adjust_logits(logits: jax.Array, settings: SampleSettings, history: TokenHistory | None) -> jax.Array:
-    """Bias, then repetition / frequency / presence penalties. [B, V] → [B, V]"""
+    """Bias, then repetition / frequency / presence penalties. [B, V] → [B, V]
+
+    The penalties run only when some row has one (at 16 slots of SmolLM2 they were 2.9 ms of a 20 ms CPU
+    step, and again inside the argmax that fused them); for a row without, they change no bit."""
     logits = logits + settings.logit_bias
     if history is None:
         return logits
+    penalized = settings.repetition_penalty != 1
+    penalized = penalized | (settings.frequency_penalty != 0) | (settings.presence_penalty != 0)
+    return jax.lax.cond(jnp.any(penalized), lambda: _penalize(logits, settings, history), lambda: logits)
+
+
+def _penalize(logits: jax.Array, settings: SampleSettings, history: TokenHistory) -> jax.Array:
     seen = history.in_prompt | (history.counts > 0)
     rep = settings.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = history.counts.astype(jnp.float32)
     logits = logits - settings.frequency_penalty[:, None] * counts
     return logits - settings.presence_penalty[:, None] * (counts > 0)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the largest value) as two plain reductions, a max
+    and a min over indices, which XLA's CPU backend vectorizes; its (value, index) reduction of argmax took
+    1.8 ms over [16, 49152]. A row without a largest value (NaN) gives its last index. [B, V] → [B] int32"""
+    v = x.shape[-1]
+    ids = jnp.where(x == jnp.max(x, axis=-1, keepdims=True), jnp.arange(v, dtype=jnp.int32), v)
+    return jnp.minimum(jnp.min(ids, axis=-1), v - 1)
 
 
 def _largest_threshold(x: jax.Array, holds, iters: int = 32) -> jax.Array:
@@ -229,12 +247,20 @@ def sample(
 
     Reported logprobs are those of the model (log_softmax of the raw logits); the token is drawn
     after the mask, bias and penalties."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logits = logits.astype(jnp.float32)
+    # log_softmax's terms, read only where a logprob is reported (the chosen and the top tokens), so no
+    # [B, V] array of logprobs is written: (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
+    row_max = jnp.max(logits, axis=-1)  # [B]
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))  # [B]
+
+    def logprob_of(values):  # raw logits [B, K] → their logprobs
+        return (values - row_max[:, None]) - log_total[:, None]
+
+    raw = logits
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask)
     logits = adjust_logits(logits, settings, history)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
 
     sampling = settings.temperature > 0
     scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]
@@ -257,9 +283,10 @@ def sample(
         return jnp.where(sampling, sampled, greedy)
 
     token = jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
-    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    chosen = logprob_of(jnp.take_along_axis(raw, token[:, None], axis=-1))[:, 0]
     if n_top:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, n_top)
+        top_values, top_ids = jax.lax.top_k(raw, n_top)
+        top_logprobs = logprob_of(top_values)
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
