@@ -67,6 +67,10 @@ def test_load_engine_serves_the_backends_default_and_vq_models_their_stored_weig
     assert engine.model.config.dtype == "bfloat16"
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
     assert engine.state.memory.k.dtype == jnp.bfloat16  # the KV memory follows the weights
+    assert "decoder/layer_0/mlp/up_proj" in engine.params  # the layer loop's per-layer weights (layer_loop.py)
+    assert not any(module.startswith("decoder/layers/") for module in engine.params)
+    scan = load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64, layers="scan"), slots=2)
+    assert "decoder/layers/mlp/up_proj" in scan.params and "decoder/layer_0/mlp/up_proj" not in scan.params
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64), slots=2).model.config.dtype == "float32"
 

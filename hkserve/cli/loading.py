@@ -24,6 +24,16 @@ def serving_weights(store: ModelStore, name: str, requested: str | None) -> str 
     return default_weights(jax.default_backend(), requested)
 
 
+def add_layers_argument(p) -> None:
+    p.add_argument(
+        "--layers",
+        choices=("auto", "scan", "loop"),
+        default="auto",
+        help="the decoder's blocks as a scan over stacked weights or a loop over per-layer ones (auto: loop on "
+        "GPUs, faster there; scan compiles quicker for models of many layers)",
+    )
+
+
 def add_prefix_cache_argument(p) -> None:
     p.add_argument(
         "--prefix-cache",
@@ -56,8 +66,9 @@ def load_engine(args, slots: int, hosts=None):
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
     kernels = resolve(getattr(args, "kernels", "auto"), config.dtype, config.memory, mesh.size)
+    layers = getattr(args, "layers", "auto")
     engine = Engine(
-        build_model(config, kernels),
+        build_model(config, kernels, None if layers == "auto" else layers),
         params,
         slots=slots,
         max_len=args.max_len,

@@ -16,7 +16,7 @@ from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
 from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.cli.generate import run_generate
-from hkserve.cli.loading import add_prefix_cache_argument
+from hkserve.cli.loading import add_layers_argument, add_prefix_cache_argument
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, run_server
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
     add_kernels_argument(p)
+    add_layers_argument(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_prefix_cache_argument(p)
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
     add_kernels_argument(p)
+    add_layers_argument(p)
     add_speculative_arguments(p)
     p.set_defaults(func=run_generate)
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from hkserve.api.structured import output_spec
 from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
-from hkserve.cli.loading import add_prefix_cache_argument, load_runner
+from hkserve.cli.loading import add_layers_argument, add_prefix_cache_argument, load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.requests import Overloaded, Request
@@ -51,6 +51,7 @@ def add_arguments(p) -> None:
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
     add_kernels_argument(p)
+    add_layers_argument(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
