@@ -20,7 +20,8 @@ from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
 # int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them
-MESHES_OF_KIND = {"tiny-int8": ["1x1", "2x4"], "tiny-loop": ["1x1", "1x8", "2x4"]}
+# the layer loop (the GPU default) on two meshes, and "scan-1x1": the scan on one device, to compare with
+MESHES_OF_KIND = {"tiny-int8": ["1x1", "2x4"], "tiny-loop": ["1x1", "1x8", "2x4", "scan-1x1"]}
 
 
 def mesh_for(name: str):
@@ -84,7 +85,9 @@ def main(kind: str, out: str, home: str | None = None) -> None:
         max_tokens, stop_ids = 32, store.tokenizer(info.name).stop_ids
     results = {}
     for name in MESHES_OF_KIND.get(kind, MESHES):
-        mesh = mesh_for(name)
+        if name.startswith("scan-"):
+            model = build_model(config, layers="scan")
+        mesh = mesh_for(name.removeprefix("scan-"))
         shardings = param_shardings(param_shapes(config), mesh, config)
         if kind != "smollm2":
             params = jax.device_put(host_params, shardings)

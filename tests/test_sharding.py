@@ -44,9 +44,7 @@ def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
 def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tmp_path):
     """The GPU default (hkserve/model/layer_loop.py): per-layer weights sharded by their stacks' rules."""
     loop = run_worker("tiny-loop", str(tmp_path / "loop.npz"))
-    assert_meshes_agree(loop, ["1x8", "2x4"])
-    scan = run_worker("tiny", str(tmp_path / "tiny.npz"))
-    np.testing.assert_array_equal(loop["1x1/tokens"], scan["1x1/tokens"])
+    assert_meshes_agree(loop, ["1x8", "2x4", "scan-1x1"])
 
 
 @pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite
