@@ -21,6 +21,7 @@ from hkserve.model.sampling import (
     first_argmax,
     make_settings,
     sample,
+    top_k,
 )
 
 V = 50
@@ -59,6 +60,20 @@ def test_first_argmax_is_argmax_ties_included():
     x[6, 30:] = np.inf
     np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), np.argmax(x, -1))
     assert int(first_argmax(jnp.asarray([[np.nan, 1.0, 2.0]]))[0]) == 2  # no largest value: in range
+
+
+@pytest.mark.parametrize(("v", "k"), [(49152, 5), (49152, 20), (5000, 7), (1000, 1), (300, 20)])
+def test_two_stage_top_k_is_lax_top_k_ties_included(v, k):
+    rng = np.random.default_rng(v + k)
+    x = rng.integers(-40, 9, size=(6, v)).astype(np.float32)  # the largest values tie across chunks
+    x[1] = rng.normal(size=v)
+    x[2, : v // 2] = -np.inf
+    x[3] = 0.0
+    x[4, -3:] = 100.0  # the largest in the last, padded chunk
+    want = jax.lax.top_k(jnp.asarray(x), k)
+    got = jax.jit(top_k, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_penalties_skipped_or_run_change_no_bit_of_rows_without_them():

@@ -188,6 +188,24 @@ def _penalize(logits: jax.Array, settings: SampleSettings, history: TokenHistory
     return logits - settings.presence_penalty[:, None] * (counts > 0)
 
 
+def top_k(x: jax.Array, k: int, chunk: int = 256) -> jax.Array:
+    """jax.lax.top_k over the last axis, ties included (the lower index first), in two stages: the k chunks
+    of `chunk` values with the largest maxima hold the k largest values, so top_k runs over the chunk
+    maxima and then over those k chunks only. XLA's CPU TopK over [16, 49152] took 0.83 ms (k 5) and
+    0.88 ms (k 20); this 0.11 and 0.24. → (values [B, k], ids [B, k] int32)"""
+    b, v = x.shape
+    n_chunks = -(-v // chunk)
+    if n_chunks < 4 * k:  # small vocabularies: nothing to gain
+        return jax.lax.top_k(x, k)
+    chunks = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - v)), constant_values=-jnp.inf).reshape(b, n_chunks, chunk)
+    _, best = jax.lax.top_k(chunks.max(-1), k)  # [B, k] chunks, the lower index first among equal maxima
+    best = jnp.sort(best, axis=-1)  # candidates in index order, so equal values keep top_k's order
+    candidates = jnp.take_along_axis(chunks, best[:, :, None], axis=1).reshape(b, k * chunk)  # [B, k*chunk]
+    values, at = jax.lax.top_k(candidates, k)
+    ids = jnp.take_along_axis(best, at // chunk, axis=-1) * chunk + at % chunk
+    return values, ids.astype(jnp.int32)
+
+
 def first_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first index of the largest value) as two plain reductions, a max
     and a min over indices, which XLA's CPU backend vectorizes; its (value, index) reduction of argmax took
@@ -285,7 +303,7 @@ def sample(
     token = jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
     chosen = logprob_of(jnp.take_along_axis(raw, token[:, None], axis=-1))[:, 0]
     if n_top:
-        top_values, top_ids = jax.lax.top_k(raw, n_top)
+        top_values, top_ids = top_k(raw, n_top)
         top_logprobs = logprob_of(top_values)
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
