@@ -233,23 +233,22 @@ void rows_avx2(const Problem& p, int64_t t, int64_t r0) {
 }
 
 // One output tile for every row: rows in groups that share each weight load. A: planes of int8
-// activations (1 w8a8, 2 w8a16), 0 for float32 activations (w8a32).
+// activations (1 w8a8, 2 w8a16), 0 for float32 activations (w8a32). Rows [r, end) of tile t.
 template <int ISA, int A>
-void run_tile(const Problem& p, int64_t t) {
-  int64_t r = 0;
+void run_tile(const Problem& p, int64_t t, int64_t r, int64_t end) {
   if (ISA == 2) {
     constexpr int P = A > 0 ? A : 1;  // planes
     constexpr int G = A == 0 ? 4 : 2 / P;  // rows per weight load: what the 32 registers hold
     if constexpr (A > 0) {
-      for (; r + G <= p.m; r += G) a8_rows_512<G, P>(p, t, r);
-      for (; r < p.m; ++r) a8_rows_512<1, P>(p, t, r);
+      for (; r + G <= end; r += G) a8_rows_512<G, P>(p, t, r);
+      for (; r < end; ++r) a8_rows_512<1, P>(p, t, r);
     } else {
-      for (; r + G <= p.m; r += G) a32_rows_512<G>(p, t, r);
-      for (; r < p.m; ++r) a32_rows_512<1>(p, t, r);
+      for (; r + G <= end; r += G) a32_rows_512<G>(p, t, r);
+      for (; r < end; ++r) a32_rows_512<1>(p, t, r);
     }
   } else {
-    for (; r + 2 <= p.m; r += 2) rows_avx2<2, A>(p, t, r);
-    for (; r < p.m; ++r) rows_avx2<1, A>(p, t, r);
+    for (; r + 2 <= end; r += 2) rows_avx2<2, A>(p, t, r);
+    for (; r < end; ++r) rows_avx2<1, A>(p, t, r);
   }
 }
 
@@ -331,8 +330,17 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // threads 0: XLA's pool, batch-1 decode included: on a quiet 2-core machine two threads read the
   // weights in about half the time of one (hkserve/kernels/README.md).
   if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
-  auto body = [&p, isa](int64_t t) { isa == 2 ? run_tile<2, A>(p, t) : run_tile<1, A>(p, t); };
-  hk::parallel_tiles(pool, p.np / NT, threads, body);
+  // Work items are (tile, group of rows). A product of few tiles for its threads (at SmolLM2's sizes
+  // k and v have 3, q, o and down 9) splits its rows too, 8 a group, so that both threads get equal
+  // shares; otherwise a tile's rows stay together and its weights are read once. A row's arithmetic is
+  // the same in any group (batch invariance).
+  int64_t tiles = p.np / NT;
+  int64_t span = tiles < 8 * threads && p.m >= 16 ? 8 : p.m, groups = (p.m + span - 1) / span;
+  auto body = [&p, isa, span, groups](int64_t item) {
+    int64_t t = item / groups, r = item % groups * span, end = std::min(p.m, r + span);
+    isa == 2 ? run_tile<2, A>(p, t, r, end) : run_tile<1, A>(p, t, r, end);
+  };
+  hk::parallel_tiles(pool, tiles * groups, threads, body);
   return ffi::Error::Success();
 }
 
