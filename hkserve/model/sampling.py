@@ -188,7 +188,7 @@ def _penalize(logits: jax.Array, settings: SampleSettings, history: TokenHistory
     return logits - settings.presence_penalty[:, None] * (counts > 0)
 
 
-def top_k(x: jax.Array, k: int, chunk: int = 256) -> jax.Array:
+def top_k(x: jax.Array, k: int, chunk: int = 256) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k over the last axis, ties included (the lower index first), in two stages: the k chunks
     of `chunk` values with the largest maxima hold the k largest values, so top_k runs over the chunk
     maxima and then over those k chunks only. XLA's CPU TopK over [16, 49152] took 0.83 ms (k 5) and
