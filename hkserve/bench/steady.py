@@ -29,12 +29,17 @@ THREAD_SETTINGS = {
 }
 
 
+# The load is steady: measured after the kernels' contention monitor (kernels/contention.py), which
+# samples every 0.25 s and moves its cap on two agreeing samples, has seen it.
+SETTLE_S = 1.0
+
+
 @contextlib.contextmanager
 def busy_core():
     """One core kept busy by another process (a Python spin loop) while inside."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.2)  # let it start spinning
+        time.sleep(SETTLE_S)
         yield
     finally:
         hog.kill()

@@ -153,7 +153,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
   r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
   r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
-  if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
+  threads = hk::call_threads(pool, threads);
   hk::parallel_tiles(pool, r.b * r.h, threads, [&r](int64_t item) {
     thread_local Scratch scratch;
     attend(r, item, scratch);

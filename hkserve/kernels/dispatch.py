@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import jax
 
-from hkserve.kernels import ffi
+from hkserve.kernels import contention, ffi
 
 log = logging.getLogger("hkserve.kernels")
 CHOICES = ("auto", "w8a16", "w8a8", "xla")
@@ -31,7 +31,8 @@ class KernelSpec(NamedTuple):
     kind: str  # "w8a8": int8 weights x int8 activations (per 32 values) | "w8a16": x two int8 planes
     # per 32 values | "w8a32": weight-only
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
-    threads: int = 0  # 0: XLA's intra-op pool (HKSERVE_KERNEL_THREADS=1: the calling thread only)
+    threads: int = 0  # 0: XLA's intra-op pool, capped while other processes hold cores (contention.py);
+    # HKSERVE_KERNEL_THREADS=N fixes N (1: the calling thread only)
 
     def describe(self) -> str:
         return f"{self.kind} on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
@@ -85,5 +86,7 @@ def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) ->
         return None
     kind = "w8a32" if requested == "auto" else requested
     spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")))
+    if spec.threads == 0:  # the pool's threads, fewer while other processes hold cores
+        contention.watch(ffi.set_thread_cap)
     log.warning("kernels: %s", spec.describe())
     return spec

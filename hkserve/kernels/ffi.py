@@ -37,6 +37,18 @@ def cpu_isa() -> int:
     return int(lib.hk_cpu_isa()) if lib is not None else 0
 
 
+def set_thread_cap(cap: int) -> None:
+    """Cap the threads of kernel calls that leave their count to XLA's pool (0: no cap)."""
+    lib = library()
+    if lib is not None:
+        lib.hk_set_thread_cap(ctypes.c_int(cap))
+
+
+def thread_cap() -> int:
+    lib = library()
+    return int(lib.hk_thread_cap()) if lib is not None else 0
+
+
 def matmul(
     x: jax.Array,
     packed: jax.Array,

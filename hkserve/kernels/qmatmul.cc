@@ -328,8 +328,9 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     p.xf = xf.data();
   }
   // threads 0: XLA's pool, batch-1 decode included: on a quiet 2-core machine two threads read the
-  // weights in about half the time of one (hkserve/kernels/README.md).
-  if (threads <= 0) threads = std::max<int64_t>(1, pool.num_threads());
+  // weights in about half the time of one (hkserve/kernels/README.md); within the cap while other
+  // processes hold cores.
+  threads = hk::call_threads(pool, threads);
   // Work items are (tile, group of rows). A product of few tiles for its threads (at SmolLM2's sizes
   // k and v have 3, q, o and down 9) splits its rows too, 8 a group, so that both threads get equal
   // shares; otherwise a tile's rows stay together and its weights are read once. A row's arithmetic is
@@ -362,6 +363,10 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 HK_MATMUL_TARGET(HkW8A8, 1)
 HK_MATMUL_TARGET(HkW8A16, 2)
 HK_MATMUL_TARGET(HkW8A32, 0)
+
+// The cap on the pool threads of calls that leave their count to the pool (0: none); see threads.h.
+extern "C" void hk_set_thread_cap(int cap) { hk::thread_cap().store(std::max(0, cap)); }
+extern "C" int hk_thread_cap() { return hk::thread_cap().load(); }
 
 // What this CPU (and its OS) can run: 2 = AVX-512 VNNI, 1 = AVX2 + FMA, 0 = neither.
 extern "C" int hk_cpu_isa() {

@@ -16,6 +16,22 @@ namespace ffi = xla::ffi;
 
 namespace hk {
 
+// At most this many threads per call when a call leaves the count to the pool (threads <= 0); 0: no
+// cap. Set from Python (hk_set_thread_cap) while other processes keep this machine's cores busy
+// (hkserve/kernels/contention.py): a helper sharing a core with them starts late, and the work it
+// would have taken then waits on the calling thread anyway.
+inline std::atomic<int>& thread_cap() {
+  static std::atomic<int> cap{0};
+  return cap;
+}
+
+// The threads a call uses: its own fixed count, else the pool's, within the cap.
+inline int64_t call_threads(ffi::ThreadPool& pool, int64_t threads) {
+  if (threads > 0) return threads;
+  int64_t n = std::max<int64_t>(1, pool.num_threads()), cap = thread_cap().load(std::memory_order_relaxed);
+  return cap > 0 ? std::min(n, cap) : n;
+}
+
 // Shared by the caller and the helper tasks it schedules; helpers hold it alive by shared_ptr, so a
 // helper that starts after the call returned touches only this, finds it closed, and leaves.
 struct Work {
