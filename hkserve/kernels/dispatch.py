@@ -1,11 +1,12 @@
-"""Which matrix-product path a model runs: `--kernels auto | w8a8 | xla` → a KernelSpec or None (XLA's dots).
+"""Which matrix-product path a model runs: `--kernels auto | w8a32 | w8a16 | w8a8 | xla` → a KernelSpec or
+None (XLA's dots).
 
-auto is the weight-only kernel (float32 activations: the quality of XLA's int8 path, SmolLM2 +0.8%
-perplexity against float32); w8a8 also quantizes the activations per 32 values, which is faster but
-cost +3.1% perplexity on the Genesis excerpt, beyond the 1% the default must keep; w8a16 holds each
-block of 32 activations as two int8 planes (the residual quantized again): auto's perplexity to 4
-digits, but since the weight loads are prefetched (kernels/README.md) slower than auto at batch 1 and
-at 16 rows alike (twice w8a8's integer products).
+auto is w8a16: int8 weights times activations quantized per row to int16 in blocks of 128
+(vpdpwssd: twice the multiply-adds per instruction of float32 FMAs), whose perplexity is the
+weight-only kernel's to 4 digits (SmolLM2 on the Genesis excerpt 4.4835 vs w8a32's 4.4836, float32
+4.4475) and which is the faster at every batch (kernels/README.md). w8a32 keeps the activations
+float32 (the quality of XLA's int8 path); w8a8 quantizes them to int8 per 32 values (llama.cpp's
+Q8_0), whose perplexity on that short excerpt swings by 1-3% with the last bits of its inputs.
 
 The decoder reads the active spec while it is traced (`using(spec)`), so one model function serves
 both paths and the choice is made once, where the model is built.
@@ -24,12 +25,11 @@ import jax
 from hkserve.kernels import contention, ffi
 
 log = logging.getLogger("hkserve.kernels")
-CHOICES = ("auto", "w8a16", "w8a8", "xla")
+CHOICES = ("auto", "w8a32", "w8a16", "w8a8", "xla")
 
 
 class KernelSpec(NamedTuple):
-    kind: str  # "w8a8": int8 weights x int8 activations (per 32 values) | "w8a16": x two int8 planes
-    # per 32 values | "w8a32": weight-only
+    kind: str  # int8 weights x activations: "w8a16" int16 per 128 values | "w8a8" int8 per 32 | "w8a32" float32
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
     threads: int = 0  # 0: XLA's intra-op pool, capped while other processes hold cores (contention.py);
     # HKSERVE_KERNEL_THREADS=N fixes N (1: the calling thread only)
@@ -60,15 +60,15 @@ def add_kernels_argument(p) -> None:
         "--kernels",
         default="auto",
         choices=list(CHOICES),
-        help="int8 matrix products: auto = the C++ CPU kernels (int8 weights x float32 activations, and "
-        "decode attention reading the KV memory in place) where they apply (int8 weights, CPU, 1x1 mesh); "
-        "w8a16 = activations as two int8 planes per 32 values (same perplexity, slower than auto here); "
-        "w8a8 = activations quantized per 32 values (fastest, +3%% perplexity on SmolLM2); xla = XLA's dots",
+        help="int8 matrix products: auto = the C++ CPU kernels where they apply (int8 weights, CPU, 1x1 mesh) "
+        "with activations quantized to int16 per 128 values (w8a16; float32's perplexity to 4 digits), and "
+        "decode attention reading the KV memory in place; w8a32 = float32 activations; w8a8 = int8 activations "
+        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots",
     )
 
 
 def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) -> KernelSpec | None:
-    """The kernels for a model, or None for XLA. "auto" (w8a32), "w8a16" and "w8a8" take them for int8 KV-memory
+    """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for int8 KV-memory
     weights on a single CPU device when this CPU runs an ISA path and the library builds (else they log
     why not)."""
     if requested not in CHOICES:
@@ -84,7 +84,7 @@ def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) ->
     if isa == 0:
         log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA's dots")
         return None
-    kind = "w8a32" if requested == "auto" else requested
+    kind = "w8a16" if requested == "auto" else requested
     spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")))
     if spec.threads == 0:  # the pool's threads, fewer while other processes hold cores
         contention.watch(ffi.set_thread_cap)

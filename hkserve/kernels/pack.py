@@ -14,6 +14,11 @@ import jax.numpy as jnp
 K_ALIGN, N_TILE = 32, 64
 
 
+def padded_width(n: int) -> int:
+    """Output columns of a packed weight of n columns: whole tiles."""
+    return -(-n // N_TILE) * N_TILE
+
+
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Packed shape of an int8 [..., K, N] weight."""
     *lead, k, n = shape

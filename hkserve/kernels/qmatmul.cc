@@ -9,12 +9,14 @@
 //             (absmax / 127, round half to even, as llama.cpp's Q8_0). vpdpbusd multiplies the
 //             unsigned w + 128 by signed x8, so the offset costs 128 * sum(x8) per block: a per-row
 //             constant folded in at the end, no extra weight bytes.
-//   hk_w8a16: as hk_w8a8 with each activation block held as two int8 planes, x ~ d1*q1 + d2*q2
-//             (q2 quantizes the residual x - d1*q1 with its own absmax / 127): ~14 bits of each
-//             block's range, for two vpdpbusd per weight load instead of hk_w8a32's widening.
+//   hk_w8a16: y = scale * (x16 . w), x quantized on the fly per row to int16 in blocks of 128
+//             values (absmax / 32767, round half to even), products by vpdpwssd on the weights
+//             widened to 16 bits: two int16 products per int32 lane, twice the multiply-adds of
+//             hk_w8a32's float32 FMAs per instruction, and exact integer sums within a block
+//             (w8a16.h). The default (--kernels auto).
 //   hk_w8a32: y = scale * (x . w), float32 activations, int8 weights widened in registers.
 //
-// Attribute isa: 2 = AVX-512 VNNI, 1 = AVX2 (vpmaddubsw/vpmaddwd for w8a8). Work is split by
+// Attribute isa: 2 = AVX-512 VNNI, 1 = AVX2 (vpmaddubsw/vpmaddwd for w8a8, vpmaddwd for w8a16). Work is split by
 // output tiles over XLA's own intra-op thread pool: the calling thread works too and never waits
 // for a helper that has not started, so a busy pool costs parallelism, never a stall.
 #include <immintrin.h>
@@ -25,82 +27,46 @@
 #include <cstring>
 #include <vector>
 
+#include "problem.h"
 #include "threads.h"
+#include "w8a16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
 
-constexpr int QK = 32;  // activation block
-constexpr int NT = 64;  // output columns per packed tile
-// Prefetch distance in bytes: each loop asks for the weight lines this far ahead of the ones it reads.
-// The hardware prefetcher alone left hk_w8a32 at ~7 GB/s per core on the 2-core Xeon VM (its loop is
-// long per cache line); asking 4 KiB ahead made SmolLM2's batch-1 matmuls 1.7x faster (README.md).
-constexpr int PF = 4096;
-
-inline void prefetch_128(const uint8_t* q) {  // the AVX2 paths read a tile's 256-byte rows in halves
-  for (int i = 0; i < 2; ++i) _mm_prefetch(reinterpret_cast<const char*>(q + PF + 64 * i), _MM_HINT_T0);
-}
-
-inline void prefetch_256(const uint8_t* q) {
-  for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(q + PF + 64 * i), _MM_HINT_T0);
-}
-
-struct Problem {
-  int64_t m, k, n, kp, np;  // rows, inputs, outputs, padded inputs, padded outputs
-  const uint8_t* w;         // packed [np/64][kp/4][64][4]
-  const float* scale;       // [n]
-  float* y;                 // [m, n]
-  // w8a8 / w8a16: quantized rows, one plane or two (plane j at xq + j * m * kp, d + j * m * kp/32)
-  const int8_t* xq;   // [planes, m, kp]
-  const uint8_t* xa;  // [planes, m, kp] |xq| (AVX2's vpmaddubsw needs an unsigned operand)
-  const float* d;     // [planes, m, kp/32] block scales
-  const float* c;     // [m] 128 * sum over planes and blocks of d_b * sum(xq in b)
-  // w8a32: zero-padded float rows
-  const float* xf;  // [m, kp]
-};
-
-void store_tile(const Problem& p, int64_t row, int64_t col0, const float* acc) {
-  int64_t cols = std::min<int64_t>(NT, p.n - col0);
-  float* out = p.y + row * p.n + col0;
-  for (int64_t j = 0; j < cols; ++j) out[j] = acc[j] * p.scale[col0 + j];
-}
+using hk::NT, hk::QK, hk::Problem, hk::blocks16, hk::prefetch_128, hk::prefetch_256, hk::store_tile;
+using hk::a16_rows_512, hk::a16_rows_avx2, hk::quantize_rows16;
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
-template <int R, int P>
+template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a8_rows_512(const Problem& p, int64_t t, int64_t r0) {
   const uint8_t* wt = p.w + t * p.kp * NT;
-  const int64_t plane = p.m * p.kp, dplane = p.m * (p.kp / QK);
   __m512 f[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) f[r][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.kp / QK; ++b) {
-    __m512i a[R][P][4];
+    __m512i a[R][4];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < P; ++j)
-        for (int i = 0; i < 4; ++i) a[r][j][i] = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_si512();
     for (int g = 0; g < QK / 4; ++g) {
       const uint8_t* q = wt + (b * (QK / 4) + g) * 256;
       prefetch_256(q);
       __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
       __m512i w2 = _mm512_loadu_si512(q + 128), w3 = _mm512_loadu_si512(q + 192);
       for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < P; ++j) {
-          int32_t x4;
-          std::memcpy(&x4, p.xq + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
-          __m512i xb = _mm512_set1_epi32(x4);
-          a[r][j][0] = _mm512_dpbusd_epi32(a[r][j][0], w0, xb);
-          a[r][j][1] = _mm512_dpbusd_epi32(a[r][j][1], w1, xb);
-          a[r][j][2] = _mm512_dpbusd_epi32(a[r][j][2], w2, xb);
-          a[r][j][3] = _mm512_dpbusd_epi32(a[r][j][3], w3, xb);
-        }
+        int32_t x4;
+        std::memcpy(&x4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
+        __m512i xb = _mm512_set1_epi32(x4);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, xb);
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, xb);
+        a[r][2] = _mm512_dpbusd_epi32(a[r][2], w2, xb);
+        a[r][3] = _mm512_dpbusd_epi32(a[r][3], w3, xb);
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < P; ++j) {
-        __m512 dv = _mm512_set1_ps(p.d[j * dplane + (r0 + r) * (p.kp / QK) + b]);
-        for (int i = 0; i < 4; ++i) f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][j][i]), dv, f[r][i]);
-      }
+      __m512 dv = _mm512_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
+      for (int i = 0; i < 4; ++i) f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, f[r][i]);
     }
   }
   alignas(64) float acc[NT];
@@ -144,10 +110,9 @@ __attribute__((target("avx512f,avx512bw"))) void a32_rows_512(const Problem& p, 
 
 // ---------------------------------------------------------------- AVX2 (32-column halves of a tile)
 
-template <int R, int P>
+template <int R>
 __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
   const uint8_t* wt = p.w + t * p.kp * NT;
-  const int64_t plane = p.m * p.kp, dplane = p.m * (p.kp / QK);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
@@ -155,10 +120,9 @@ __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t 
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 4; ++i) f[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p.kp / QK; ++b) {
-      __m256i a[R][P][4];
+      __m256i a[R][4];
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < P; ++j)
-          for (int i = 0; i < 4; ++i) a[r][j][i] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_si256();
       for (int g = 0; g < QK / 4; ++g) {
         const uint8_t* q = wt + (b * (QK / 4) + g) * 256 + h * 128;
         prefetch_128(q);
@@ -166,24 +130,20 @@ __attribute__((target("avx2,fma"))) void a8_rows_avx2(const Problem& p, int64_t 
         for (int i = 0; i < 4; ++i)
           w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), flip);
         for (int r = 0; r < R; ++r) {
-          for (int j = 0; j < P; ++j) {
-            int32_t s4, u4;
-            std::memcpy(&s4, p.xq + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
-            std::memcpy(&u4, p.xa + j * plane + (r0 + r) * p.kp + b * QK + g * 4, 4);
-            __m256i xs = _mm256_set1_epi32(s4), xu = _mm256_set1_epi32(u4);
-            for (int i = 0; i < 4; ++i) {
-              // |x| * (w * sign(x)): at most 2 * 127 * 127, so vpmaddubsw cannot saturate
-              __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs));
-              a[r][j][i] = _mm256_add_epi32(a[r][j][i], _mm256_madd_epi16(prod, ones));
-            }
+          int32_t s4, u4;
+          std::memcpy(&s4, p.xq + (r0 + r) * p.kp + b * QK + g * 4, 4);
+          std::memcpy(&u4, p.xa + (r0 + r) * p.kp + b * QK + g * 4, 4);
+          __m256i xs = _mm256_set1_epi32(s4), xu = _mm256_set1_epi32(u4);
+          for (int i = 0; i < 4; ++i) {
+            // |x| * (w * sign(x)): at most 2 * 127 * 127, so vpmaddubsw cannot saturate
+            __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs));
+            a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(prod, ones));
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < P; ++j) {
-          __m256 dv = _mm256_set1_ps(p.d[j * dplane + (r0 + r) * (p.kp / QK) + b]);
-          for (int i = 0; i < 4; ++i) f[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][j][i]), dv, f[r][i]);
-        }
+        __m256 dv = _mm256_set1_ps(p.d[(r0 + r) * (p.kp / QK) + b]);
+        for (int i = 0; i < 4; ++i) f[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][i]), dv, f[r][i]);
       }
     }
     for (int r = 0; r < R; ++r)
@@ -224,24 +184,28 @@ __attribute__((target("avx2,fma"))) void a32_rows_avx2(const Problem& p, int64_t
 template <int R, int A>
 void rows_avx2(const Problem& p, int64_t t, int64_t r0) {
   float acc[R][NT];
-  if constexpr (A > 0) {
-    a8_rows_avx2<R, A>(p, t, r0, acc);  // signed products: no offset to take back
+  if constexpr (A == 1) {
+    a8_rows_avx2<R>(p, t, r0, acc);  // signed products: no offset to take back
+  } else if constexpr (A == 2) {
+    a16_rows_avx2<R>(p, t, r0, acc);
   } else {
     a32_rows_avx2<R>(p, t, r0, acc);
   }
   for (int r = 0; r < R; ++r) store_tile(p, r0 + r, t * NT, acc[r]);
 }
 
-// One output tile for every row: rows in groups that share each weight load. A: planes of int8
-// activations (1 w8a8, 2 w8a16), 0 for float32 activations (w8a32). Rows [r, end) of tile t.
+// One output tile for every row: rows in groups that share each weight load. A: the activations,
+// 1 int8 (w8a8), 2 int16 (w8a16), 0 float32 (w8a32). Rows [r, end) of tile t.
 template <int ISA, int A>
 void run_tile(const Problem& p, int64_t t, int64_t r, int64_t end) {
   if (ISA == 2) {
-    constexpr int P = A > 0 ? A : 1;  // planes
-    constexpr int G = A == 0 ? 4 : 2 / P;  // rows per weight load: what the 32 registers hold
-    if constexpr (A > 0) {
-      for (; r + G <= end; r += G) a8_rows_512<G, P>(p, t, r);
-      for (; r < end; ++r) a8_rows_512<1, P>(p, t, r);
+    constexpr int G = A == 0 ? 4 : 2;  // rows per weight load: what the 32 registers hold
+    if constexpr (A == 1) {
+      for (; r + G <= end; r += G) a8_rows_512<G>(p, t, r);
+      for (; r < end; ++r) a8_rows_512<1>(p, t, r);
+    } else if constexpr (A == 2) {
+      for (; r + G <= end; r += G) a16_rows_512<G>(p, t, r);
+      for (; r < end; ++r) a16_rows_512<1>(p, t, r);
     } else {
       for (; r + G <= end; r += G) a32_rows_512<G>(p, t, r);
       for (; r < end; ++r) a32_rows_512<1>(p, t, r);
@@ -255,9 +219,7 @@ void run_tile(const Problem& p, int64_t t, int64_t r, int64_t end) {
 // ---------------------------------------------------------------- activations
 
 // One block of 32 values (zero past `n`) → int8 q, |q|, and its scale absmax / 127; returns sum(q).
-// A second plane quantizes what the first left over (r = x - d1 * q1, computed in float32).
-// Compiled for AVX2 (every ISA path has it) so that nearbyint is one vroundps, not a libm call;
-// -ffp-contract=off keeps the residual x - d1 * q1 two roundings on every compiler.
+// Compiled for AVX2 (every ISA path has it) so that nearbyint is one vroundps, not a libm call.
 __attribute__((target("avx2,fma"))) int32_t quantize_block(const float* x, int64_t n, int8_t* q, uint8_t* qa,
                                                             float* d) {
   float amax = 0.f;
@@ -274,21 +236,15 @@ __attribute__((target("avx2,fma"))) int32_t quantize_block(const float* x, int64
   return sum;
 }
 
-__attribute__((target("avx2,fma"))) void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int planes,
-                                                        int8_t* xq, uint8_t* xa, float* d, float* c) {
-  const int64_t plane = m * kp, dplane = m * (kp / QK);
-  float rest[QK];
+__attribute__((target("avx2,fma"))) void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq,
+                                                        uint8_t* xa, float* d, float* c) {
   for (int64_t r = 0; r < m; ++r) {
     float corr = 0.f;
     for (int64_t b = 0; b < kp / QK; ++b) {
-      int64_t lo = b * QK, n = std::min<int64_t>(QK, k - lo), at = r * kp + lo, db = r * (kp / QK) + b;
+      int64_t lo = b * QK, n = std::max<int64_t>(0, std::min<int64_t>(QK, k - lo)), at = r * kp + lo;
+      int64_t db = r * (kp / QK) + b;
       int32_t sum = quantize_block(x + r * k + lo, n, xq + at, xa + at, d + db);
       corr += d[db] * static_cast<float>(sum);
-      if (planes == 2) {
-        for (int64_t i = 0; i < n; ++i) rest[i] = x[r * k + lo + i] - d[db] * static_cast<float>(xq[at + i]);
-        sum = quantize_block(rest, n, xq + plane + at, xa + plane + at, d + dplane + db);
-        corr += d[dplane + db] * static_cast<float>(sum);
-      }
     }
     c[r] = 128.f * corr;
   }
@@ -317,11 +273,18 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (p.m == 0) return ffi::Error::Success();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<uint8_t> xa;
+  thread_local std::vector<int16_t> x16;
+  thread_local std::vector<int32_t> c16;
   thread_local std::vector<float> xf, d, c;
-  if (A > 0) {
-    xq.resize(A * p.m * p.kp), xa.resize(A * p.m * p.kp), d.resize(A * p.m * p.kp / QK), c.resize(p.m);
-    quantize_rows(x.typed_data(), p.m, p.k, p.kp, A, xq.data(), xa.data(), d.data(), c.data());
+  if (A == 1) {
+    xq.resize(p.m * p.kp), xa.resize(p.m * p.kp), d.resize(p.m * p.kp / QK), c.resize(p.m);
+    quantize_rows(x.typed_data(), p.m, p.k, p.kp, xq.data(), xa.data(), d.data(), c.data());
     p.xq = xq.data(), p.xa = xa.data(), p.d = d.data(), p.c = c.data();
+  } else if (A == 2) {
+    int64_t nb = blocks16(p.kp);
+    x16.resize(p.m * p.kp), d.resize(p.m * nb), c16.resize(p.m * nb * 2);
+    quantize_rows16(x.typed_data(), p.m, p.k, p.kp, x16.data(), d.data(), c16.data());
+    p.x16 = x16.data(), p.d16 = d.data(), p.c16 = c16.data();
   } else {
     xf.assign(p.m * p.kp, 0.f);
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(xf.data() + r * p.kp, x.typed_data() + r * p.k, p.k * sizeof(float));
@@ -348,8 +311,8 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 }  // namespace
 
 // The three targets share one signature: x, packed w, scale, layer → y; attributes isa, threads.
-#define HK_MATMUL_TARGET(name, planes)                        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, matmul<planes>,         \
+#define HK_MATMUL_TARGET(name, activations)                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, matmul<activations>,    \
                                 ffi::Ffi::Bind()              \
                                     .Ctx<ffi::ThreadPool>()   \
                                     .Arg<ffi::Buffer<ffi::F32>>() \

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import dispatch, ffi
+from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, Linear, RMSNorm, norm_dtype, param_dtype
 
@@ -76,9 +77,13 @@ class Attention(hk.Module):
         c = self.c
         b, t, _ = x.shape
         groups = c.n_heads // c.n_kv_heads
-        q = _project(c, x, c.n_heads, "q_proj")
-        k = _project(c, x, c.n_kv_heads, "k_proj")
-        v = _project(c, x, c.n_kv_heads, "v_proj")
+        qkv = layer_weights.fused("qkv_proj", (c.n_heads * c.head_dim, *[c.n_kv_heads * c.head_dim] * 2), x)
+        if qkv is not None:  # CPU kernels: q, k and v in one call (model/packing.py)
+            q, k, v = (y.reshape(b, t, -1, c.head_dim) for y in qkv)
+        else:
+            q = _project(c, x, c.n_heads, "q_proj")
+            k = _project(c, x, c.n_kv_heads, "k_proj")
+            v = _project(c, x, c.n_kv_heads, "v_proj")
         if c.qk_norm:
             q = RMSNorm(c.norm_eps, norm_dtype(c), "q_norm", c.norm_offset)(q)
             k = RMSNorm(c.norm_eps, norm_dtype(c), "k_norm", c.norm_offset)(k)

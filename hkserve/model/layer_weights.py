@@ -5,7 +5,9 @@ materializes each layer's slice before a custom call (or a dot) can read it: for
 ~130 MB of packed weights per decode step, as long as the products themselves took. So in kernel
 mode the packed [L, ...] weights are held out of the params the stack slices (`split`), and a
 `Linear` inside the stack passes the whole stack plus the scan's layer index to the kernel, which
-reads that layer where it lies (`held`).
+reads that layer where it lies (`held`). Projections that read the same input (q, k, v; gate, up)
+are held fused, as one packed weight that `prepare` concatenated (model/packing.py): one kernel
+call quantizes the input once and splits all their tiles over the threads (`fused`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import contextlib
 import contextvars
 from typing import NamedTuple
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
+
+from hkserve.kernels import dispatch, ffi, pack
 
 STACK = "decoder/layers/"  # hk.layer_stack's module prefix of the decoder's blocks
 
@@ -71,3 +76,19 @@ def held(module: str) -> HeldWeight | None:
     if weights is None or layer is None or module not in weights:
         return None
     return HeldWeight(*weights[module], layer)
+
+
+def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] | None:
+    """Inside a module of the layer stack in kernel mode: x [..., K] through the fused projections
+    `name` (e.g. "qkv_proj"), split into outputs [..., width] per projection; None when not held fused.
+    Each projection's columns start at a whole tile (its width padded to 64)."""
+    weight = held(f"{hk.experimental.current_name()}/{name}")
+    if weight is None:
+        return None
+    kernel = dispatch.active()
+    y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
+    outs, at = [], 0
+    for width in widths:
+        outs.append(y[..., at : at + width])
+        at += pack.padded_width(width)
+    return outs

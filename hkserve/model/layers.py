@@ -177,8 +177,8 @@ class MLP(hk.Module):
 
     def __call__(self, x):
         dtype = param_dtype(self.c)
-        gate = Linear(self.c.ffn_dim, dtype, "gate_proj")(x)
-        up = Linear(self.c.ffn_dim, dtype, "up_proj")(x)
+        gate_up = layer_weights.fused("gate_up_proj", (self.c.ffn_dim,) * 2, x)  # CPU kernels: one call
+        gate, up = gate_up or (Linear(self.c.ffn_dim, dtype, n)(x) for n in ("gate_proj", "up_proj"))
         return Linear(self.c.dim, dtype, "down_proj")(_ACTIVATIONS[self.c.mlp_activation](gate) * up)
 
 

@@ -1,10 +1,20 @@
-"""Stored int8 params → the layout the CPU kernels read (hkserve/kernels/pack.py), once at load."""
+"""Stored int8 params → the layout the CPU kernels read (hkserve/kernels/pack.py), once at load.
+
+Projections of one input inside the layer stack (q, k, v; gate, up) are then fused into one packed
+weight (`fuse`): their tiles concatenated, each projection starting at a whole tile, and their
+scales zero-padded to match. One kernel call then quantizes the input once and spreads all their
+tiles over the threads: SmolLM2's k and v have 3 tiles each, too few to split on their own.
+Projections with a bias stay separate.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from hkserve.kernels import pack
+from hkserve.model.layer_weights import STACK
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def pack_params(params: dict, served: dict) -> dict:
@@ -20,4 +30,33 @@ def pack_params(params: dict, served: dict) -> dict:
             weight = jnp.swapaxes(value, -1, -2) if name == "embeddings" else value
             out[module][name] = pack.pack(weight)
             assert out[module][name].shape == served[module][name].shape, (module, name)
+    return fuse(out)
+
+
+def _fusable(entry: dict | None) -> bool:
+    return entry is not None and set(entry) == {"w", "scale"} and entry["w"].dtype == jnp.uint8 and entry["w"].ndim == 5
+
+
+def fuse(params: dict) -> dict:
+    """Each module of the layer stack with all the parts of a FUSED projection, packed and without
+    biases, gets them as one `<module>/<fused name>` {w [L, sum N_pad/64, K/4, 64, 4], scale [L, sum N_pad]}."""
+    out = dict(params)
+    for module in params:
+        for name, parts in FUSED.items():
+            if not (module.startswith(STACK) and module.endswith("/" + parts[0])):
+                continue
+            parent = module[: -len(parts[0])]
+            entries = [params.get(parent + part) for part in parts]
+            if not all(_fusable(e) for e in entries):
+                continue
+            scales = []
+            for e in entries:
+                n = e["scale"].shape[-1]
+                scales.append(jnp.pad(e["scale"], [(0, 0), (0, pack.padded_width(n) - n)]))
+            for part in parts:
+                del out[parent + part]
+            out[parent + name] = {
+                "w": jnp.concatenate([e["w"] for e in entries], axis=1),
+                "scale": jnp.concatenate(scales, axis=-1),
+            }
     return out

@@ -58,6 +58,8 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/mlp/(gate_proj|up_proj)/scale$", P(None, "model"), None),  # [L, F]
     (r"decoder/layers/moe/(gate_proj|up_proj)_scale$", P(None, None, "model"), None),  # [L, E, F]
     (r"decoder/layers/moe/down_proj_scale$", P(None, None, None), None),  # [L, E, D]
+    # the CPU kernels' fused projections (model/packing.py), on a 1x1 mesh: replicated
+    (r"decoder/layers/(attention/qkv_proj|mlp/gate_up_proj)/scale$", P(None, None), None),  # [L, N]
     # Transformer-VQ
     (r"decoder/out_bias/b$", P("model"), None),  # [V]
     (r"decoder/layers/gau/input_norm/(scale|bias)$", P(None, None), None),  # [G, D]
