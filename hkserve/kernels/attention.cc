@@ -9,8 +9,8 @@
 //   y[b, h, g] = sum_s p_s v_s over the row's visible past s (s < past_len[b], and within the
 //   sliding window if any) and the new token, p = softmax(cap(q . k)), as hkserve/model/attention.py.
 //
-// Every (row, kv head) is one work item; its arithmetic is the same whatever the batch, so a
-// request's result does not depend on the others (batch invariance).
+// A (row, kv head)'s arithmetic is the same whatever the batch and whichever work item computes it,
+// so a request's result does not depend on the others (batch invariance).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -154,9 +154,15 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
   r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
   threads = hk::call_threads(pool, threads);
-  hk::parallel_tiles(pool, r.b * r.h, threads, [&r](int64_t item) {
+  // With rows enough for the threads, a row's kv heads are one work item: its positions are then read
+  // in the memory's own order, each position's heads side by side ([S, H, D] of that row), where an
+  // item per (row, head) read every third 256 bytes of it (SmolLM2: 3 kv heads of 64 values). 30
+  // layers at 16 rows and 56 positions, alternating builds: 2.19 and 1.88 ms instead of 2.74 and 2.05.
+  // Fewer rows (batch 1) keep an item per (row, head), so that the heads still spread over threads.
+  const int64_t heads = r.b >= 2 * threads ? r.h : 1;
+  hk::parallel_tiles(pool, r.b * r.h / heads, threads, [&r, heads](int64_t item) {
     thread_local Scratch scratch;
-    attend(r, item, scratch);
+    for (int64_t i = item * heads; i < (item + 1) * heads; ++i) attend(r, i, scratch);
   });
   return ffi::Error::Success();
 }
