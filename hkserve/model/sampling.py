@@ -281,16 +281,17 @@ def sample(
     greedy = first_argmax(logits)
 
     sampling = settings.temperature > 0
-    scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]
     filtered = (settings.top_k > 0) | (settings.top_p < 1.0) | (settings.min_p > 0)
-    # Each stage runs only when some row needs it; for rows that do not, it changes nothing.
-    scaled = jax.lax.cond(
-        jnp.any(sampling & filtered),
-        lambda: _filter(scaled, settings.top_p, settings.top_k, settings.min_p),
-        lambda: scaled,
-    )
 
     def draw_all():
+        # Each stage runs only when some row needs it; for rows that do not, it changes nothing. The
+        # temperature too: dividing [B, V] by it was 0.22 ms of a 15 ms 16-slot CPU step of greedy rows.
+        scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(
+            jnp.any(sampling & filtered),
+            lambda: _filter(scaled, settings.top_p, settings.top_k, settings.min_p),
+            lambda: scaled,
+        )
         # Inverse-CDF sampling: one uniform per row (a Gumbel draw would need V random numbers per row,
         # and generating those dominated the CPU step time).
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(settings.seed, positions)
