@@ -23,19 +23,20 @@ from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, 
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
 from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
-from hkserve.engine.state import ContextLengthError, DecodeState, DecodeStateLost, check_context, window_sizes
+from hkserve.engine.state import (
+    ContextLengthError,
+    DecodeState,
+    DecodeStateLost,
+    check_context,
+    check_options,
+    state_shardings,
+    window_sizes,
+)
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import init_memory, reset_slot
 from hkserve.model.model import Model
-from hkserve.model.sampling import (
-    SampleSettings,
-    SamplingParams,
-    TokenHistory,
-    empty_history,
-    make_settings,
-    sample,
-)
-from hkserve.model.sharding import check_slots, memory_shardings, param_shardings, parse_mesh
+from hkserve.model.sampling import SamplingParams, TokenHistory, empty_history, make_settings, sample
+from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -70,15 +71,7 @@ class Engine:
         self.split_masks = jax.default_backend() != "cpu" if split_masks is None else split_masks
         self._all_allowed = np.full((1, (config.vocab_size + 31) // 32), -1, np.int32)  # [1, W]: no grammar
         self._all_allowed_rows = np.full((slots, (config.vocab_size + 31) // 32), -1, np.int32)  # [B, W]
-        if prefix_cache not in MODES:
-            raise ValueError(f"prefix cache mode must be one of {', '.join(MODES)}, got {prefix_cache!r}")
-        if prefix_cache != "off" and config.memory == "vq":
-            raise ValueError(
-                "prefix caching needs a per-position KV memory: a Transformer-VQ memory is a compressed state "
-                "that can be reused only at the exact position it was saved (use --prefix-cache off)"
-            )
-        if config.vocab_size >= 2**24:
-            raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
+        check_options(config, prefix_cache, MODES)
         max_len = min(max_len, config.context_length)
         self.mesh = mesh or parse_mesh("1x1", devices=jax.devices()[:1])
         check_slots(slots, self.mesh)
@@ -95,7 +88,7 @@ class Engine:
             shapes = jax.eval_shape(model.prepare, param_shapes(config))
             self.param_shardings = param_shardings(shapes, self.mesh, config)
             self.params = jax.jit(model.prepare, out_shardings=self.param_shardings)(self.params)
-        self.state_shardings = self._state_shardings()
+        self.state_shardings = state_shardings(config, self.mesh)
         self.reset()
         self._compiled: dict = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
@@ -119,12 +112,6 @@ class Engine:
 
     def _sharding(self, *spec) -> NamedSharding:
         return NamedSharding(self.mesh, P(*spec))
-
-    def _state_shardings(self) -> DecodeState:
-        rows, table = self._sharding("data"), self._sharding("data", None)
-        settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
-        memory = memory_shardings(self.model.config, self.mesh)
-        return DecodeState(memory, rows, settings, TokenHistory(table, table))
 
     # -- compiled bodies ------------------------------------------------------------------------
     def _fill(self, attend_len, params, state: DecodeState, tokens, length, slot, last_only: bool):

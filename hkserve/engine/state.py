@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from hkserve.model.config import ModelConfig
 from hkserve.model.memory import KVMemory
 from hkserve.model.sampling import SampleSettings, TokenHistory
+from hkserve.model.sharding import memory_shardings
 from hkserve.model.vq_memory import VQMemory
 
 
@@ -51,3 +55,23 @@ def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
         sizes.append(w)
         w *= 2
     return tuple(sizes) + (max_len,)
+
+
+def state_shardings(config: ModelConfig, mesh: Mesh) -> DecodeState:
+    """Where the decode state lives: per-slot rows over "data", the memory as model/sharding.py says."""
+    rows, table = NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", None))
+    settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
+    return DecodeState(memory_shardings(config, mesh), rows, settings, TokenHistory(table, table))
+
+
+def check_options(config: ModelConfig, prefix_cache: str, modes: tuple[str, ...]) -> None:
+    """Refuse what an engine of this model cannot serve, before anything is built."""
+    if prefix_cache not in modes:
+        raise ValueError(f"prefix cache mode must be one of {', '.join(modes)}, got {prefix_cache!r}")
+    if prefix_cache != "off" and config.memory == "vq":
+        raise ValueError(
+            "prefix caching needs a per-position KV memory: a Transformer-VQ memory is a compressed state "
+            "that can be reused only at the exact position it was saved (use --prefix-cache off)"
+        )
+    if config.vocab_size >= 2**24:
+        raise ValueError("vocabularies of 2**24 tokens or more do not fit the packed step output")
