@@ -14,6 +14,13 @@
 
 namespace hk {
 
+// Row `row`'s +128 offsets of block b as one 64-bit pattern: the even int32 lanes' in the low half,
+// the odd lanes' in the high half (Problem::c16).
+inline int64_t offsets(const Problem& p, int64_t row, int64_t nb, int64_t b) {
+  const int32_t* c = p.c16 + (row * nb + b) * 2;
+  return static_cast<int64_t>(static_cast<uint32_t>(c[0]) | static_cast<uint64_t>(static_cast<uint32_t>(c[1])) << 32);
+}
+
 // Even int32 lanes of a widened weight vector meet inputs 4i, 4i+1 and odd ones 4i+2, 4i+3 of the same
 // column (8 columns a 512-bit vector): (lane 2j) + (lane 2j+1) is column j's sum.
 inline void sum_lane_pairs(const float* lanes, float* out, int cols) {
@@ -47,9 +54,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a16_rows_512(const P
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int32_t* c = p.c16 + ((r0 + r) * nb + b) * 2;
-      __m512i cv = _mm512_set1_epi64(static_cast<int64_t>(static_cast<uint32_t>(c[0])) |
-                                     static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(c[1])) << 32));
+      __m512i cv = _mm512_set1_epi64(offsets(p, r0 + r, nb, b));
       __m512 dv = _mm512_set1_ps(p.d16[(r0 + r) * nb + b]);
       for (int i = 0; i < 8; ++i) {
         __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][i], cv));
@@ -90,9 +95,7 @@ __attribute__((target("avx2,fma"))) void a16_rows_avx2(const Problem& p, int64_t
         }
       }
       for (int r = 0; r < R; ++r) {
-        const int32_t* c = p.c16 + ((r0 + r) * nb + b) * 2;
-        __m256i cv = _mm256_set1_epi64x(static_cast<int64_t>(static_cast<uint32_t>(c[0])) |
-                                        static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(c[1])) << 32));
+        __m256i cv = _mm256_set1_epi64x(offsets(p, r0 + r, nb, b));
         __m256 dv = _mm256_set1_ps(p.d16[(r0 + r) * nb + b]);
         for (int i = 0; i < 4; ++i) {
           __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][i], cv));
