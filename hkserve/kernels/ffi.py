@@ -59,8 +59,8 @@ def matmul(
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """x [..., K] float32 · packed int8 weight (pack.py) [N/64, K/4, 64, 4] → [..., N] float32, scaled
-    per output channel. kind "w8a8" quantizes x per 32 values; "w8a16" as two int8 planes per 32 values
-    (the residual of the first quantized again); "w8a32" keeps x float32.
+    per output channel. kind "w8a16" quantizes x to int16 per 128 values (the default); "w8a8" to int8
+    per 32 values; "w8a32" keeps x float32.
 
     With `layer` (an int32 scalar, e.g. a layer scan's index) `packed` [L, N/64, K/4, 64, 4] and
     `scale` [L, N] are a whole layer stack, and the kernel reads layer `layer` in place."""
