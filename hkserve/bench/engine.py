@@ -117,7 +117,9 @@ def cmd_bench_engine(args) -> int:
     ours = {}
     for slots in args.slots:
         _log(f"hkserve: {slots} slots ...")
+        start = time.perf_counter()
         ours[slots] = bench_hkserve(model, params, slots, prompts[:slots], args.steps, args.repeats, args.max_len)
+        _log(f"hkserve: {slots} slots: {ours[slots]:.1f} tok/s ({time.perf_counter() - start:.0f} s with compiling)")
     peer, versions = run_peer(config, params, prompts, args.hf_batches, args.steps, args.repeats)
 
     lo, hi = min(args.slots), max(args.slots)

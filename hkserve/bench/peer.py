@@ -166,5 +166,7 @@ def run_peer(config, params, prompts: np.ndarray, batches: list[int], steps: int
     results = {}
     for batch in batches:
         _log(f"peer: batch {batch} ...")
+        start = time.perf_counter()
         results[batch] = bench_hf(hf_model, prompts[:batch], steps, repeats)
+        _log(f"peer: batch {batch}: {results[batch]:.1f} tok/s ({time.perf_counter() - start:.0f} s)")
     return results, versions
