@@ -168,7 +168,7 @@ class Engine:
 
     def _sample_impl(self, state: DecodeState, logits, active, bitmask):
         """The sampling half of a step, among the tokens bitmask [B, W] allows (None: all)."""
-        out = sample(logits, state.settings, state.memory.step, self.n_top, state.history, bitmask)
+        out = sample(logits, state.settings, state.memory.step, self.n_top, state.history, bitmask, self.model.kernels)
         return state._replace(tokens=jnp.where(active, out.token, state.tokens)), pack(out)
 
     def _compiled_fn(self, kind: str, attend_len: int):

@@ -1,4 +1,4 @@
-"""Compile the kernels (qmatmul.cc, attention.cc) on first use into a cache keyed by sources, compiler,
+"""Compile the kernels (qmatmul.cc, attention.cc, logits.cc) on first use into a cache keyed by sources, compiler,
 JAX headers and CPU.
 
 Compiling on first use (not at install) keeps `pip install -e .` a pure-Python install that works
@@ -21,7 +21,7 @@ import jaxlib
 
 log = logging.getLogger("hkserve.kernels")
 HERE = Path(__file__).parent
-SOURCES = (HERE / "qmatmul.cc", HERE / "attention.cc")  # one library
+SOURCES = (HERE / "qmatmul.cc", HERE / "attention.cc", HERE / "logits.cc")  # one library
 HEADERS = (HERE / "threads.h", HERE / "problem.h", HERE / "w8a16.h")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 

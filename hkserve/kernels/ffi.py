@@ -16,6 +16,7 @@ log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
 TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
 ATTENTION = ("hk_decode_attention", "HkDecodeAttention")
+LOGIT_STATS = ("hk_logit_stats", "HkLogitStats")
 
 
 @functools.cache
@@ -25,7 +26,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*TARGETS.values(), ATTENTION):
+    for target, symbol in (*TARGETS.values(), ATTENTION, LOGIT_STATS):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
@@ -107,3 +108,21 @@ def decode_attention(
         cap=np.float32(cap),
         threads=np.int64(threads),
     )
+
+
+def logit_stats(x: jax.Array, bias: jax.Array, threads: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What sampling reads of whole vocabulary rows (kernels/logits.cc), x and bias [B, V] float32 →
+    (row_max [B] float32, log_total [B] float32: log sum exp(x - row_max), greedy [B] int32: the first
+    index of the largest x + bias); a row with a NaN gives NaN, NaN and V - 1, as XLA's reductions do."""
+    if library() is None:
+        raise RuntimeError("the kernel library is not available on this machine")
+    b = x.shape[0]
+    call = jax.ffi.ffi_call(
+        LOGIT_STATS[0],
+        (
+            jax.ShapeDtypeStruct((b,), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.int32),
+        ),
+    )
+    return call(x.astype(jnp.float32), bias.astype(jnp.float32), threads=np.int64(threads))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model.config import ModelConfig
 
 
@@ -14,3 +15,4 @@ class Model(NamedTuple):
     init: callable  # (rng) -> params
     forward: callable  # (params, tokens [b,T], memory, lengths [b], slots=None, attend_len=S, last_only=False)
     prepare: callable | None = None  # params -> what serving derives once from them (VQ keys, packed int8); None: as is
+    kernels: KernelSpec | None = None  # the CPU kernels it runs (kernels/dispatch.py); the sampler reads it too

@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hkserve.kernels import ffi
+from hkserve.kernels.dispatch import KernelSpec
+
 NEG_INF = -jnp.inf
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -174,9 +177,13 @@ def adjust_logits(logits: jax.Array, settings: SampleSettings, history: TokenHis
     logits = logits + settings.logit_bias
     if history is None:
         return logits
+    return jax.lax.cond(_any_penalty(settings), lambda: _penalize(logits, settings, history), lambda: logits)
+
+
+def _any_penalty(settings: SampleSettings) -> jax.Array:
+    """Whether some row has a repetition, frequency or presence penalty. → [] bool"""
     penalized = settings.repetition_penalty != 1
-    penalized = penalized | (settings.frequency_penalty != 0) | (settings.presence_penalty != 0)
-    return jax.lax.cond(jnp.any(penalized), lambda: _penalize(logits, settings, history), lambda: logits)
+    return jnp.any(penalized | (settings.frequency_penalty != 0) | (settings.presence_penalty != 0))
 
 
 def _penalize(logits: jax.Array, settings: SampleSettings, history: TokenHistory) -> jax.Array:
@@ -259,26 +266,41 @@ def sample(
     n_top: int = 0,
     history: TokenHistory | None = None,
     bitmask: jax.Array | None = None,
+    kernels: KernelSpec | None = None,
 ) -> SampleOutput:
     """logits: [B, V] float32; positions: [B] position the sampled token will take (keys the RNG);
-    bitmask: [B, ceil(V/32)] int32 allowed tokens (a grammar's), applied before everything else.
+    bitmask: [B, ceil(V/32)] int32 allowed tokens (a grammar's), applied before everything else;
+    kernels: the CPU kernels' spec (kernels/dispatch.py), whose logit_stats then reads the rows.
 
     Reported logprobs are those of the model (log_softmax of the raw logits); the token is drawn
     after the mask, bias and penalties."""
-    logits = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
     # log_softmax's terms, read only where a logprob is reported (the chosen and the top tokens), so no
     # [B, V] array of logprobs is written: (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
-    row_max = jnp.max(logits, axis=-1)  # [B]
-    log_total = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))  # [B]
+    if kernels is not None and bitmask is None:
+        # One multi-threaded kernel reads each row for these terms and the greedy token of the biased
+        # logits; the biased (and penalized) [B, V] array is then made only inside the branches that
+        # need it (penalties, sampling). At 16 slots of SmolLM2 XLA's five passes over [B, V], each on one
+        # thread, took ~1.2 ms of a 14.6 ms CPU step; the kernel 0.3 ms.
+        row_max, log_total, biased_greedy = ffi.logit_stats(raw, settings.logit_bias, kernels.threads)  # [B] each
+
+        def adjusted():
+            return adjust_logits(raw, settings, history)
+
+        greedy = biased_greedy
+        if history is not None:
+            greedy = jax.lax.cond(_any_penalty(settings), lambda: first_argmax(adjusted()), lambda: biased_greedy)
+    else:
+        row_max = jnp.max(raw, axis=-1)  # [B]
+        log_total = jnp.log(jnp.sum(jnp.exp(raw - row_max[:, None]), axis=-1))  # [B]
+        logits = adjust_logits(raw if bitmask is None else apply_bitmask(raw, bitmask), settings, history)
+        greedy = first_argmax(logits)
+
+        def adjusted():
+            return logits
 
     def logprob_of(values):  # raw logits [B, K] → their logprobs
         return (values - row_max[:, None]) - log_total[:, None]
-
-    raw = logits
-    if bitmask is not None:
-        logits = apply_bitmask(logits, bitmask)
-    logits = adjust_logits(logits, settings, history)
-    greedy = first_argmax(logits)
 
     sampling = settings.temperature > 0
     filtered = (settings.top_k > 0) | (settings.top_p < 1.0) | (settings.min_p > 0)
@@ -286,7 +308,7 @@ def sample(
     def draw_all():
         # Each stage runs only when some row needs it; for rows that do not, it changes nothing. The
         # temperature too: dividing [B, V] by it was 0.22 ms of a 15 ms 16-slot CPU step of greedy rows.
-        scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]
+        scaled = adjusted() / jnp.maximum(settings.temperature, 1e-6)[:, None]
         scaled = jax.lax.cond(
             jnp.any(sampling & filtered),
             lambda: _filter(scaled, settings.top_p, settings.top_k, settings.min_p),
@@ -307,6 +329,6 @@ def sample(
         top_values, top_ids = top_k(raw, n_top)
         top_logprobs = logprob_of(top_values)
     else:
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+        top_logprobs = jnp.zeros((raw.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
     return SampleOutput(token, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -177,4 +177,5 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layer
     if kernels is None:
         return Model(config=config, init=init, forward=forward)
     served = jax.eval_shape(lambda: transformed.init(jax.random.PRNGKey(0), *init_args()))
-    return Model(config=config, init=init, forward=forward, prepare=functools.partial(pack_params, served=served))
+    prepare = functools.partial(pack_params, served=served)
+    return Model(config=config, init=init, forward=forward, prepare=prepare, kernels=kernels)
