@@ -113,7 +113,7 @@ def decode_attention(
 def logit_stats(x: jax.Array, bias: jax.Array, threads: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What sampling reads of whole vocabulary rows (kernels/logits.cc), x and bias [B, V] float32 →
     (row_max [B] float32, log_total [B] float32: log sum exp(x - row_max), greedy [B] int32: the first
-    index of the largest x + bias); a row with a NaN gives NaN, NaN and V - 1, as XLA's reductions do."""
+    index of the largest x + bias); a row with a NaN gives NaN, NaN and V - 1."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
     b = x.shape[0]

@@ -65,7 +65,7 @@ __attribute__((target("avx2,fma"))) Row row_stats(const float* x, const float* b
     __m256 y = _mm256_add_ps(xv, bv);
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
     vmax = _mm256_max_ps(vmax, xv);
-    // Strictly greater, or the first -inf of an all -inf lane: each lane keeps its first largest.
+    // Strictly greater, or the lane's first value (-inf too): each lane keeps its first largest.
     __m256 take = _mm256_or_ps(_mm256_cmp_ps(y, best, _CMP_GT_OQ),
                                _mm256_castsi256_ps(_mm256_cmpeq_epi32(best_at, _mm256_set1_epi32(INT32_MAX))));
     take = _mm256_and_ps(take, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
