@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "threads.h"
+#include "vexp.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -53,30 +54,13 @@ __attribute__((target("avx2,fma"))) void weighted_sum(const float* p, const floa
   }
 }
 
-// e^x for 8 values (x <= 0 here: scores minus their maximum), Cephes' expf: x = n ln2 + r, a degree-6
-// polynomial in r, times 2^n; ~1 ulp. std::exp is a libm call per score, which made the kernel
-// slower than XLA's vectorized softmax.
-__attribute__((target("avx2,fma"))) __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // e^-87 is still a normal float; below it ~0 anyway
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // x[i] = e^(x[i] - top) for i < n; returns their sum (8 partial sums, then a fixed order).
 __attribute__((target("avx2,fma"))) float exp_shifted(float* x, int64_t n, float top) {
   const __m256 t = _mm256_set1_ps(top);
   __m256 sum = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), t));
+    __m256 e = hk::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), t));
     _mm256_storeu_ps(x + i, e);
     sum = _mm256_add_ps(sum, e);
   }
@@ -86,7 +70,7 @@ __attribute__((target("avx2,fma"))) float exp_shifted(float* x, int64_t n, float
   if (i < n) {  // the tail through the same exp8, so a value never depends on where it falls
     alignas(32) float tail[8] = {};
     std::copy(x + i, x + n, tail);
-    _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), t)));
+    _mm256_store_ps(tail, hk::exp8(_mm256_sub_ps(_mm256_load_ps(tail), t)));
     for (int64_t j = 0; j < n - i; ++j) total += (x[i + j] = tail[j]);
   }
   return total;

@@ -22,7 +22,7 @@ import jaxlib
 log = logging.getLogger("hkserve.kernels")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "qmatmul.cc", HERE / "attention.cc", HERE / "logits.cc")  # one library
-HEADERS = (HERE / "threads.h", HERE / "problem.h", HERE / "w8a16.h")
+HEADERS = (HERE / "threads.h", HERE / "problem.h", HERE / "w8a16.h", HERE / "vexp.h")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 

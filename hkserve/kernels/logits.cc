@@ -6,9 +6,10 @@
 //   greedy[b]    = the first v of the largest x[b, v] + bias[b, v]  (V - 1 if the row has a NaN)
 // (the chosen token's logprob is x - row_max - log_total). XLA's CPU backend ran these as five
 // passes over [B, V], each on one thread: at 16 slots of SmolLM2 (V = 49152) about 1.2 ms of a 14.6 ms
-// step. Here a row is read twice (max and argmax, then the exponentials; it stays in L2 between) and
-// rows are split over the pool's threads. Each row's arithmetic is fixed (8 lanes, a fixed lane
-// order, the sum in double), so a row's results do not depend on the batch (batch invariance).
+// step. Here a row is read twice (max and argmax, then the exponentials of vexp.h; it stays in L2
+// between) and rows are split over the pool's threads. Each row's arithmetic is fixed (8 lanes, a
+// fixed lane order, the sum in double), so a row's results do not depend on the batch (batch
+// invariance).
 // AVX2 + FMA: every machine the matrix kernels run on has it.
 #include <immintrin.h>
 
@@ -17,29 +18,10 @@
 #include <limits>
 
 #include "threads.h"
+#include "vexp.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
-
-// e^x for x <= 0 (a value minus its row's maximum): 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2,
-// e^r by Cephes' expf polynomial (about 1 ulp). Below -87 the result is e^-87 (~1.6e-38): beside the
-// row maximum's own term 1 it adds nothing a float32 logprob can show.
-__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // NaN lanes too; NaN rows are answered apart
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
 
 // Lanes past the row's end: -inf values (they never win) with an index past every real one.
 __attribute__((target("avx2,fma"))) inline __m256 load_tail(const float* p, int64_t n) {
@@ -87,9 +69,9 @@ __attribute__((target("avx2,fma"))) Row row_stats(const float* x, const float* b
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   for (int64_t i = 0; i < v; i += 8) {
     __m256 xv = i + 8 <= v ? _mm256_loadu_ps(x + i) : load_tail(x + i, v - i);
-    // Tail lanes (-inf) add e^-87 each, as -inf logits do: below what a double sum of at least 1 (the
-    // maximum's own term) can hold.
-    __m256 e = exp_nonpositive(_mm256_sub_ps(xv, mv));
+    // exp8 takes values below -87 as -87: tail lanes (-inf) add e^-87 each, as -inf logits do, below
+    // what a double sum of at least 1 (the maximum's own term) can hold.
+    __m256 e = hk::exp8(_mm256_sub_ps(xv, mv));
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
   }
