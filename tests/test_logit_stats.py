@@ -75,6 +75,11 @@ ROWS = {  # what each of a batch's rows asks; the sampler's branches run when so
     "greedy": [SamplingParams()] * 4,
     "biased": [SamplingParams(logit_bias={5: 100.0}), SamplingParams(), SamplingParams(logit_bias={9: -100.0})] * 2,
     "penalized": [SamplingParams(repetition_penalty=1.3), SamplingParams(), SamplingParams(frequency_penalty=0.7)],
+    "penalized-sampling": [
+        SamplingParams(temperature=0.7, seed=5, presence_penalty=1.5),
+        SamplingParams(repetition_penalty=1.3, logit_bias={11: 50.0}),
+        SamplingParams(temperature=1.0, seed=9),
+    ],
     "sampling": [
         SamplingParams(temperature=0.8, seed=3, top_k=20),
         SamplingParams(),
