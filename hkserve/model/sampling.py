@@ -261,33 +261,6 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, NEG_INF)
 
 
-def _choose(logits_fn, greedy: jax.Array, settings: SampleSettings, positions: jax.Array) -> jax.Array:
-    """The tokens [B]: greedy [B] for rows without a temperature, drawn from logits_fn() [B, V] (masked,
-    biased, penalized) for the others; logits_fn runs only when some row samples."""
-    sampling = settings.temperature > 0
-    filtered = (settings.top_k > 0) | (settings.top_p < 1.0) | (settings.min_p > 0)
-
-    def draw_all():
-        # Each stage runs only when some row needs it; for rows that do not, it changes nothing. The
-        # temperature too: dividing [B, V] by it was 0.22 ms of a 15 ms 16-slot CPU step of greedy rows.
-        scaled = logits_fn() / jnp.maximum(settings.temperature, 1e-6)[:, None]
-        scaled = jax.lax.cond(
-            jnp.any(sampling & filtered),
-            lambda: _filter(scaled, settings.top_p, settings.top_k, settings.min_p),
-            lambda: scaled,
-        )
-        # Inverse-CDF sampling: one uniform per row (a Gumbel draw would need V random numbers per row,
-        # and generating those dominated the CPU step time).
-        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(settings.seed, positions)
-        u = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]
-        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)  # [B, V]
-        # The count is at most V - 1: the last entry is the total itself, never below u * total (u <= 1).
-        sampled = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-        return jnp.where(sampling, sampled, greedy)
-
-    return jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
-
-
 def sample(
     logits: jax.Array,
     settings: SampleSettings,
@@ -308,28 +281,51 @@ def sample(
     # [B, V] array of logprobs is written: (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
     if kernels is not None and bitmask is None:
         # One multi-threaded kernel reads each row for these terms and the greedy token of the biased
-        # logits; the biased (and penalized) [B, V] array is then made, once, only inside the branches
-        # that need it (penalties, sampling). At 16 slots of SmolLM2 XLA's five passes over [B, V], each
-        # on one thread, took ~1.2 ms of a 14.6 ms CPU step; the kernel 0.3 ms.
+        # logits; the biased (and penalized) [B, V] array is then made only inside the branches that
+        # need it (penalties, sampling). At 16 slots of SmolLM2 XLA's five passes over [B, V], each on one
+        # thread, took ~1.2 ms of a 14.6 ms CPU step; the kernel 0.3 ms.
         row_max, log_total, biased_greedy = ffi.logit_stats(raw, settings.logit_bias, kernels.threads)  # [B] each
 
-        def unpenalized():
-            return _choose(lambda: raw + settings.logit_bias, biased_greedy, settings, positions)
+        def adjusted():
+            return adjust_logits(raw, settings, history)
 
-        def penalized():
-            logits = _penalize(raw + settings.logit_bias, settings, history)
-            return _choose(lambda: logits, first_argmax(logits), settings, positions)
-
-        token = unpenalized() if history is None else jax.lax.cond(_any_penalty(settings), penalized, unpenalized)
+        greedy = biased_greedy
+        if history is not None:
+            greedy = jax.lax.cond(_any_penalty(settings), lambda: first_argmax(adjusted()), lambda: biased_greedy)
     else:
         row_max = jnp.max(raw, axis=-1)  # [B]
         log_total = jnp.log(jnp.sum(jnp.exp(raw - row_max[:, None]), axis=-1))  # [B]
         logits = adjust_logits(raw if bitmask is None else apply_bitmask(raw, bitmask), settings, history)
-        token = _choose(lambda: logits, first_argmax(logits), settings, positions)
+        greedy = first_argmax(logits)
+
+        def adjusted():
+            return logits
 
     def logprob_of(values):  # raw logits [B, K] → their logprobs
         return (values - row_max[:, None]) - log_total[:, None]
 
+    sampling = settings.temperature > 0
+    filtered = (settings.top_k > 0) | (settings.top_p < 1.0) | (settings.min_p > 0)
+
+    def draw_all():
+        # Each stage runs only when some row needs it; for rows that do not, it changes nothing. The
+        # temperature too: dividing [B, V] by it was 0.22 ms of a 15 ms 16-slot CPU step of greedy rows.
+        scaled = adjusted() / jnp.maximum(settings.temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(
+            jnp.any(sampling & filtered),
+            lambda: _filter(scaled, settings.top_p, settings.top_k, settings.min_p),
+            lambda: scaled,
+        )
+        # Inverse-CDF sampling: one uniform per row (a Gumbel draw would need V random numbers per row,
+        # and generating those dominated the CPU step time).
+        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(settings.seed, positions)
+        u = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]
+        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)  # [B, V]
+        # The count is at most V - 1: the last entry is the total itself, never below u * total (u <= 1).
+        sampled = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+        return jnp.where(sampling, sampled, greedy)
+
+    token = jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
     chosen = logprob_of(jnp.take_along_axis(raw, token[:, None], axis=-1))[:, 0]
     if n_top:
         top_values, top_ids = top_k(raw, n_top)
