@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-slow lint install clean mutate
+.PHONY: serve test test-slow lint install clean mutate docker-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,8 @@ test-slow: $(STAMP)
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)
-	$(BIN)/ruff check hkserve tests scripts
-	$(BIN)/ruff format --check hkserve tests scripts
+	$(BIN)/ruff check hkserve tests scripts deploy
+	$(BIN)/ruff format --check hkserve tests scripts deploy
 	$(BIN)/lint-imports --no-cache
 
 # Mutation testing ([tool.mutmut] in pyproject.toml; docs/testing.md): slow, not part of `make test`.
@@ -45,5 +45,11 @@ mutate: $(MUTATE_STAMP)
 	$(BIN)/mutmut run $(MUTANTS)
 	$(BIN)/python tests/mutation_scores.py
 
+# The image built with buildah on a locally made Debian base, served from and stopped (root, minutes;
+# docs/deploy.md). Not part of `make test`. DOCKER_CHECK_CLEAN=1: from no images; DOCKER_CHECK_CUDA=1:
+# also build the CUDA variant.
+docker-check: $(STAMP)
+	nice -n 5 scripts/docker-check.sh
+
 clean:
-	rm -rf $(VENV) *.egg-info mutants
+	rm -rf $(VENV) *.egg-info mutants .docker-check
