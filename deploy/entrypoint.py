@@ -98,10 +98,11 @@ def flags_from_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) 
 
 def main(argv: list[str]) -> None:
     if argv and not argv[0].startswith("-"):  # another command: `hkserve pull ...`, `bash`
-        os.execvp(argv[0], argv)
-    command = ["hkserve", "serve", *flags_from_env(serve_parser(), os.environ), *argv]
-    print("hkserve-entrypoint:", " ".join(command), file=sys.stderr, flush=True)
-    os.execvp(command[0], command)  # hkserve replaces this process: signals reach it directly
+        command = argv
+    else:
+        command = ["hkserve", "serve", *flags_from_env(serve_parser(), os.environ), *argv]
+        print("hkserve-entrypoint:", " ".join(command), file=sys.stderr, flush=True)
+    os.execvp(command[0], command)  # the command replaces this process: signals reach it directly
 
 
 if __name__ == "__main__":
