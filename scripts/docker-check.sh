@@ -5,8 +5,8 @@
 # chat reply through the openai client, the server's user, the image's HEALTHCHECK command, and a clean
 # exit on SIGTERM; prints the image size and each step's time. Not part of `make test` (minutes, root).
 #
-# Env: DOCKER_CHECK_DIR (work dir, default .docker-check: base tarball, model store, logs),
-# DOCKER_CHECK_CLEAN=1 (remove the images and the store first: a fresh machine's run),
+# Env: DOCKER_CHECK_DIR (work dir, default .docker-check: buildah's own image storage, the model store,
+# logs), DOCKER_CHECK_CLEAN=1 (remove all of it first: a fresh machine's run),
 # DOCKER_CHECK_CUDA=1 (also build the ACCEL=cuda12 image: several GB of wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,9 @@ IMAGE=localhost/hkserve:cpu
 CUDA_IMAGE=localhost/hkserve:cuda12
 CA=/etc/ssl/certs/ca-certificates.crt  # pip in a build reaches PyPI only with the host's CA bundle
 PY=$ROOT/.venv/bin/python
-BUILDAH=(buildah --storage-driver overlay)
+# Its own storage: its images and layer cache are apart from any other buildah user's, and a clean run
+# removes exactly them.
+BUILDAH=(buildah --root "$WORK/storage" --runroot "$WORK/runroot" --storage-driver overlay)
 RUN=("${BUILDAH[@]}" run --isolation chroot)
 STEPS=()
 CTR="" SERVER_PID=""
@@ -32,8 +34,13 @@ step() {  # step NAME COMMAND...: run it, record its time
 
 fail() { echo "docker-check: FAIL: $*" >&2; exit 1; }
 
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then kill "$SERVER_PID" 2>/dev/null || true; fi
+cleanup() {  # on a failure: stop the server this run started (the process on its port), then buildah run
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    local pid
+    pid=$(server_pid)
+    if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi
+    timeout 60 tail --pid="$SERVER_PID" -f /dev/null || kill "$SERVER_PID" 2>/dev/null || true
+  fi
   if [ -n "$CTR" ]; then "${BUILDAH[@]}" rm "$CTR" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
@@ -45,9 +52,10 @@ tools() {
 }
 
 clean() {
-  "${BUILDAH[@]}" rm --all >/dev/null 2>&1 || true
-  for image in "$IMAGE" "$CUDA_IMAGE" "$BASE_IMAGE"; do "${BUILDAH[@]}" rmi -f "$image" >/dev/null 2>&1 || true; done
-  "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true
+  if [ -d "$WORK/storage" ]; then
+    "${BUILDAH[@]}" rm --all >/dev/null  # the containers of this storage only
+    "${BUILDAH[@]}" rmi --all --force >/dev/null
+  fi
   rm -rf "$WORK"
 }
 
@@ -119,6 +127,7 @@ healthcheck() {  # the image's own HEALTHCHECK command, run inside the container
 }
 
 server_pid() {  # the process listening on the port
+  [ -n "${PORT:-}" ] || return 0
   ss -Htlnp "sport = :$PORT" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2
 }
 
