@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Mapping
 
@@ -44,6 +45,10 @@ READ_BY_HKSERVE = frozenset(
     }
 )
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+# Kubernetes puts a Service's address in every pod of its namespace as NAME_SERVICE_HOST, NAME_PORT_80_TCP...:
+# a Service named hkserve* makes HKSERVE_ variables (and HKSERVE_PORT=tcp://...) nobody set.
+SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT)|_PORT_\d+_(TCP|UDP|SCTP)")
+LINKS_HINT = " (Kubernetes service links of a Service named hkserve*: set enableServiceLinks: false in the pod)"
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -89,9 +94,10 @@ def flags_from_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) 
             flags.append(f"{flag}={value}")
     unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
     if unknown:
+        links = any(SERVICE_LINK.search(k) for k in unknown)
         raise SystemExit(
             f"hkserve-entrypoint: unknown setting(s) {', '.join(unknown)}: a serve flag --x-y is HKSERVE_X_Y "
-            f"(`hkserve serve --help`); also read: {', '.join(sorted(READ_BY_HKSERVE))}"
+            f"(`hkserve serve --help`); also read: {', '.join(sorted(READ_BY_HKSERVE))}" + (LINKS_HINT if links else "")
         )
     return flags
 

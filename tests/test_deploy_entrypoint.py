@@ -62,8 +62,12 @@ def test_every_serve_flag_has_its_own_variable(serve):
 
 
 def test_a_misspelt_variable_is_refused(serve):
-    with pytest.raises(SystemExit, match="HKSERVE_SLOT\\b"):
+    with pytest.raises(SystemExit, match="HKSERVE_SLOT\\b") as refused:
         entrypoint.flags_from_env(serve, {"HKSERVE_SLOT": "32"})
+    assert "enableServiceLinks" not in str(refused.value)
+    links = {"HKSERVE_SERVICE_HOST": "10.0.0.5", "HKSERVE_PORT_80_TCP_ADDR": "10.0.0.5"}  # a Service's, by Kubernetes
+    with pytest.raises(SystemExit, match="enableServiceLinks: false"):
+        entrypoint.flags_from_env(serve, links)
 
 
 def test_every_variable_hkserve_reads_is_known_to_the_entrypoint(serve):

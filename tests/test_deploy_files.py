@@ -139,6 +139,8 @@ def workload_problems(docs: list[dict], workload: dict) -> list[str]:
     claim = volumes.get(store["name"], {}).get("persistentVolumeClaim", {}).get("claimName") if store else None
     if claim not in claims:
         problems.append(f"/models is not mounted from a claim of this file ({claim!r}; claims {sorted(claims)})")
+    if spec.get("enableServiceLinks", True):  # a Service named hkserve* would set HKSERVE_* variables
+        problems.append("enableServiceLinks is not false: the entrypoint refuses the HKSERVE_*_SERVICE_* it makes")
     security = spec.get("securityContext", {})
     if not security.get("runAsNonRoot") or security.get("runAsUser") != image_uid():
         problems.append(f"securityContext {security} is not the image's non-root user {image_uid()}")
@@ -307,6 +309,7 @@ PLANTED = {  # name: (file, how it is broken)
     "k8s: claim not defined": (SINGLE, lambda d: d.pop(0)),
     "k8s: root": (SINGLE, lambda d: d[1]["spec"]["template"]["spec"].pop("securityContext")),
     "k8s: short grace": (SINGLE, lambda d: _set(d[1]["spec"]["template"]["spec"], "terminationGracePeriodSeconds", 30)),
+    "k8s: service links": (SINGLE, lambda d: d[1]["spec"]["template"]["spec"].pop("enableServiceLinks")),
     "k8s: misspelt field": (SINGLE, lambda d: _set(_container(d), "readinesProbe", {})),
     "k8s: wrong type": (SINGLE, lambda d: _set(d[1]["spec"], "replicas", "one")),
     "group: coordinator not pod 0": (
