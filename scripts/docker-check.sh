@@ -158,7 +158,7 @@ stop() {  # SIGTERM to the container's init (tini), as `docker stop` sends it: a
 tools
 [ "${DOCKER_CHECK_CLEAN:-0}" = 1 ] && step "remove images and store" clean
 mkdir -p "$WORK/models"
-chown 1000:1000 "$WORK/models"  # the image's user owns the store
+chown -R 1000:1000 "$WORK/models"  # the image's user owns the store (also what an earlier run left)
 step "debian base (mmdebstrap)" base_image
 step "build $IMAGE" build "$IMAGE"
 step "serve: start" serve
