@@ -1,0 +1,118 @@
+"""The family records of checkpoint/families.py: a new family is one record (registered, never an
+importer edit), and a record asking for what the importers do not implement is refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from family_fixtures import HF, fixture, full_logits, reference
+from safetensors.numpy import save_file
+
+from hkserve.checkpoint import families
+from hkserve.checkpoint.families import HF_NAMES, LLAMA, PHI3, hf_family, register
+from hkserve.checkpoint.family import Family
+from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.params import ImportFormatError
+from hkserve.checkpoint.safetensors_dir import SafetensorsDir
+from hkserve.model.build import build_model
+
+# A renamed Llama: its own architecture name, layer prefix and fused q|k|v and gate|up tensors.
+RENAMED_NAMES = HF_NAMES.replace(
+    layer_prefix="blocks.{i}.",
+    embed="tok_embeddings.weight",
+    final_norm="norm.weight",
+    qkv_proj="attn.wqkv.weight",
+    o_proj="attn.wo.weight",
+    gate_up_proj="ffn.w13.weight",
+    down_proj="ffn.w2.weight",
+)
+RENAMED = Family("renamed-llama", {}, hf=RENAMED_NAMES, hf_architectures=("RenamedLlamaForCausalLM",))
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))  # the registry comes back after
+    return register(RENAMED)
+
+
+def write_renamed(source, target) -> None:
+    """tiny-llama-tied's checkpoint under RENAMED's names."""
+    cfg = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(cfg | {"architectures": ["RenamedLlamaForCausalLM"]}))
+    t = SafetensorsDir(source)
+    out = {"tok_embeddings.weight": t.get("model.embed_tokens.weight"), "norm.weight": t.get("model.norm.weight")}
+    for i in range(cfg["num_hidden_layers"]):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        out[q + "input_layernorm.weight"] = t.get(p + "input_layernorm.weight")
+        out[q + "post_attention_layernorm.weight"] = t.get(p + "post_attention_layernorm.weight")
+        out[q + "attn.wqkv.weight"] = np.concatenate([t.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[q + "attn.wo.weight"] = t.get(p + "self_attn.o_proj.weight")
+        out[q + "ffn.w13.weight"] = np.concatenate([t.get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+        out[q + "ffn.w2.weight"] = t.get(p + "mlp.down_proj.weight")
+    save_file(out, str(target / "model.safetensors"))
+
+
+def test_a_registered_record_imports_its_checkpoint_with_no_importer_change(registered, tmp_path):
+    source = fixture("hf", "tiny-llama-tied")
+    write_renamed(source, tmp_path)
+    config, params = load_hf(tmp_path)
+    want_config, want = load_hf(source)
+    assert config == want_config
+    for module, leaves in want.items():
+        for leaf, value in leaves.items():
+            np.testing.assert_array_equal(params[module][leaf], value, err_msg=f"{module}/{leaf}")
+    ref = reference("tiny-llama-tied")
+    logits = full_logits(build_model(config), params, ref["input_ids"])
+    np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=1e-4, rtol=0)
+
+
+def test_an_unregistered_architecture_is_refused_by_name(tmp_path):
+    write_renamed(fixture("hf", "tiny-llama-tied"), tmp_path)
+    with pytest.raises(ImportFormatError, match="RenamedLlamaForCausalLM"):
+        load_hf(tmp_path)
+
+
+def test_every_hf_fixture_maps_to_the_record_of_its_architecture():
+    for name in HF:
+        cfg = json.loads(fixture("hf", name, "config.json").read_text())
+        family = hf_family(cfg["architectures"][0])
+        assert cfg["model_type"].startswith(family.name), name  # gemma3: "gemma3_text"
+        assert config_from_hf(cfg).qkv_bias == bool(family.options.get("qkv_bias")), name
+    with pytest.raises(ValueError, match="already registered"):
+        register(LLAMA)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"options": {"rope_kind": "yarn"}}, "rope_kind"),
+        ({"options": {"sandwich_norms": True}}, "sandwich_norms"),
+        ({"options": {"qkv_bias": True}, "hf": PHI3.hf}, "fused qkv"),
+        ({"activation_option": "attn_activation"}, "attn_activation"),
+        ({"hf_activations": ("relu",)}, "relu"),
+        ({"sliding_pattern": 2, "sliding_opt_in": True}, "sliding"),
+        ({"hf": None}, "HF architectures"),
+        ({"gguf": None}, "GGUF architecture"),
+    ],
+)
+def test_a_record_asking_for_what_is_not_implemented_is_refused(changes, named):
+    fields = {"name": "odd", "options": {}, "hf": LLAMA.hf, "gguf": LLAMA.gguf} | changes
+    fields |= {"hf_architectures": ("OddForCausalLM",), "gguf_architecture": "odd"}
+    with pytest.raises(ValueError, match=named):
+        Family(**fields)
+
+
+def test_fused_rows_stored_in_out_are_refused():
+    with pytest.raises(ValueError, match="fused"):
+        HF_NAMES.replace(out_in=False, qkv_proj="qkv")
+
+
+def test_a_record_reading_a_config_key_no_code_reads_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))
+    register(Family("keyed", {}, hf=HF_NAMES, hf_architectures=("KeyedForCausalLM",), hf_keys=frozenset({"alibi"})))
+    cfg = json.loads(fixture("hf", "tiny-llama-tied", "config.json").read_text())
+    with pytest.raises(ImportFormatError, match="alibi"):
+        config_from_hf(cfg | {"architectures": ["KeyedForCausalLM"], "alibi": True})
