@@ -15,6 +15,7 @@ from hkserve.checkpoint.families import HF_NAMES, LLAMA, PHI3, hf_family, regist
 from hkserve.checkpoint.family import Family
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.hf_write import hf_checkpoint_tensors, hf_config_dict
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.safetensors_dir import SafetensorsDir
 from hkserve.model.build import build_model
@@ -116,3 +117,14 @@ def test_a_record_reading_a_config_key_no_code_reads_is_refused(monkeypatch, tmp
     cfg = json.loads(fixture("hf", "tiny-llama-tied", "config.json").read_text())
     with pytest.raises(ImportFormatError, match="alibi"):
         config_from_hf(cfg | {"architectures": ["KeyedForCausalLM"], "alibi": True})
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-untied", "tiny-mixtral"])
+def test_hf_write_gives_back_the_checkpoint_hf_import_read(name):
+    source = fixture("hf", name)
+    config, params = load_hf(source)
+    assert config_from_hf(hf_config_dict(config)) == config
+    written, t = hf_checkpoint_tensors(config, params), SafetensorsDir(source)
+    assert set(written) == set(t.unread)
+    for tensor, value in written.items():
+        np.testing.assert_array_equal(value, t.get(tensor), err_msg=tensor)
