@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 from family_fixtures import HF, fixture, full_logits, reference
@@ -13,6 +14,8 @@ from safetensors.numpy import save_file
 from hkserve.checkpoint import families
 from hkserve.checkpoint.families import HF_NAMES, LLAMA, PHI3, hf_family, register
 from hkserve.checkpoint.family import Family
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.hf_write import hf_checkpoint_tensors, hf_config_dict
@@ -37,6 +40,10 @@ RENAMED = Family("renamed-llama", {}, hf=RENAMED_NAMES, hf_architectures=("Renam
 def registered(monkeypatch):
     monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))  # the registry comes back after
     return register(RENAMED)
+
+
+def hf_config(name: str) -> dict:
+    return json.loads(fixture("hf", name, "config.json").read_text())
 
 
 def write_renamed(source, target) -> None:
@@ -128,3 +135,51 @@ def test_hf_write_gives_back_the_checkpoint_hf_import_read(name):
     assert set(written) == set(t.unread)
     for tensor, value in written.items():
         np.testing.assert_array_equal(value, t.get(tensor), err_msg=tensor)
+
+
+def test_what_the_gemma_records_fill_in_when_config_json_is_silent():
+    cfg = {k: v for k, v in hf_config("tiny-gemma3").items() if k not in ("rope_parameters", "tie_word_embeddings")}
+    config = config_from_hf(cfg)
+    assert (config.rope_theta, config.rope_local_theta, config.tie_embeddings) == (1e6, 1e4, True)
+
+
+def metadata_only_gguf(path, arch: str, n_layers: int) -> None:
+    """A GGUF file of metadata only (config_from_gguf reads no tensor but rope_freqs)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_key_length(32)
+    w.add_value_length(32)
+    w.add_rope_dimension_count(32)
+    w.add_vocab_size(256)
+    w.add_sliding_window(8)
+    w.add_rope_freq_base_swa(5000.0)
+    w.add_attn_logit_softcapping(50.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "n_layers", "scale_dim", "local_theta", "windows"),
+    [
+        ("gemma2", 46, 16, 0.0, (8, 0)),  # llama.cpp: dim/heads for Gemma 2 27B's 46 layers
+        ("gemma2", 4, 32, 0.0, (8, 0)),
+        ("gemma3", 62, 16, 5000.0, (8, 8, 8, 8, 8, 0)),
+        ("gemma3", 6, 32, 5000.0, (8, 8, 8, 8, 8, 0)),
+    ],
+)
+def test_what_the_gemma_records_fill_in_from_gguf_metadata(tmp_path, arch, n_layers, scale_dim, local_theta, windows):
+    metadata_only_gguf(tmp_path / "m.gguf", arch, n_layers)
+    config = config_from_gguf(open_gguf(tmp_path / "m.gguf"))
+    assert config.attn_multiplier == scale_dim**-0.5
+    assert (config.rope_local_theta, config.attn_logit_cap, config.embedding_multiplier) == (local_theta, 50.0, 8.0)
+    assert config.layer_windows()[: len(windows)] == windows
+
+
+def test_a_gguf_window_the_record_does_not_import_is_refused(tmp_path):
+    metadata_only_gguf(tmp_path / "m.gguf", "qwen2", 2)
+    with pytest.raises(ImportFormatError, match="sliding window"):
+        config_from_gguf(open_gguf(tmp_path / "m.gguf"))
