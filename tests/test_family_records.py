@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from family_fixtures import HF, fixture, full_logits, reference
@@ -69,9 +70,7 @@ def test_a_registered_record_imports_its_checkpoint_with_no_importer_change(regi
     config, params = load_hf(tmp_path)
     want_config, want = load_hf(source)
     assert config == want_config
-    for module, leaves in want.items():
-        for leaf, value in leaves.items():
-            np.testing.assert_array_equal(params[module][leaf], value, err_msg=f"{module}/{leaf}")
+    jax.tree.map(np.testing.assert_array_equal, params, want)
     ref = reference("tiny-llama-tied")
     logits = full_logits(build_model(config), params, ref["input_ids"])
     np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=1e-4, rtol=0)

@@ -9,31 +9,35 @@ from __future__ import annotations
 from hkserve.checkpoint.family import Family, TensorNames
 from hkserve.checkpoint.params import ImportFormatError
 
-# Hugging Face transformers' names (Llama layout; Mixtral's experts one tensor each).
-HF_NAMES = TensorNames(
-    layer_prefix="model.layers.{i}.",
-    embed="model.embed_tokens.weight",
-    final_norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    attn_norm="input_layernorm.weight",
-    mlp_norm="post_attention_layernorm.weight",
-    q_proj="self_attn.q_proj.weight",
-    k_proj="self_attn.k_proj.weight",
-    v_proj="self_attn.v_proj.weight",
-    o_proj="self_attn.o_proj.weight",
-    gate_proj="mlp.gate_proj.weight",
-    up_proj="mlp.up_proj.weight",
-    down_proj="mlp.down_proj.weight",
-    router="block_sparse_moe.gate.weight",
-    expert_gate="block_sparse_moe.experts.{e}.w1.weight",
-    expert_up="block_sparse_moe.experts.{e}.w3.weight",
-    expert_down="block_sparse_moe.experts.{e}.w2.weight",
-    q_bias="self_attn.q_proj.bias",
-    k_bias="self_attn.k_proj.bias",
-    v_bias="self_attn.v_proj.bias",
-    q_norm="self_attn.q_norm.weight",
-    k_norm="self_attn.k_norm.weight",
+# Each tensor's name in Hugging Face transformers (Llama layout; Mixtral's experts one tensor each) and
+# in llama.cpp's convert_hf_to_gguf.py (experts stacked, Gemma's norms stored with its +1 added).
+_NAMES = (  # neutral key, HF name, GGUF name
+    ("embed", "model.embed_tokens.weight", "token_embd.weight"),
+    ("final_norm", "model.norm.weight", "output_norm.weight"),
+    ("lm_head", "lm_head.weight", "output.weight"),
+    ("attn_norm", "input_layernorm.weight", "attn_norm.weight"),
+    ("mlp_norm", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("post_attn_norm", "", "post_attention_norm.weight"),
+    ("post_mlp_norm", "", "post_ffw_norm.weight"),
+    ("q_proj", "self_attn.q_proj.weight", "attn_q.weight"),
+    ("k_proj", "self_attn.k_proj.weight", "attn_k.weight"),
+    ("v_proj", "self_attn.v_proj.weight", "attn_v.weight"),
+    ("o_proj", "self_attn.o_proj.weight", "attn_output.weight"),
+    ("q_bias", "self_attn.q_proj.bias", "attn_q.bias"),
+    ("k_bias", "self_attn.k_proj.bias", "attn_k.bias"),
+    ("v_bias", "self_attn.v_proj.bias", "attn_v.bias"),
+    ("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("gate_proj", "mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("up_proj", "mlp.up_proj.weight", "ffn_up.weight"),
+    ("down_proj", "mlp.down_proj.weight", "ffn_down.weight"),
+    ("router", "block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
+    ("expert_gate", "block_sparse_moe.experts.{e}.w1.weight", "ffn_gate_exps.weight"),
+    ("expert_up", "block_sparse_moe.experts.{e}.w3.weight", "ffn_up_exps.weight"),
+    ("expert_down", "block_sparse_moe.experts.{e}.w2.weight", "ffn_down_exps.weight"),
 )
+HF_NAMES = TensorNames(layer_prefix="model.layers.{i}.", **{key: hf for key, hf, _ in _NAMES})
+GGUF_NAMES = TensorNames(layer_prefix="blk.{i}.", norms_hold_offset=True, **{key: gguf for key, _, gguf in _NAMES})
 # Gemma: post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP's.
 HF_GEMMA_NAMES = HF_NAMES.replace(
     mlp_norm="pre_feedforward_layernorm.weight",
@@ -42,34 +46,6 @@ HF_GEMMA_NAMES = HF_NAMES.replace(
 )
 HF_PHI3_NAMES = HF_NAMES.replace(qkv_proj="self_attn.qkv_proj.weight", gate_up_proj="mlp.gate_up_proj.weight")
 
-# llama.cpp's names (convert_hf_to_gguf.py): experts stacked, Gemma's norms stored with its +1 added.
-GGUF_NAMES = TensorNames(
-    layer_prefix="blk.{i}.",
-    embed="token_embd.weight",
-    final_norm="output_norm.weight",
-    lm_head="output.weight",
-    attn_norm="attn_norm.weight",
-    mlp_norm="ffn_norm.weight",
-    q_proj="attn_q.weight",
-    k_proj="attn_k.weight",
-    v_proj="attn_v.weight",
-    o_proj="attn_output.weight",
-    gate_proj="ffn_gate.weight",
-    up_proj="ffn_up.weight",
-    down_proj="ffn_down.weight",
-    router="ffn_gate_inp.weight",
-    expert_gate="ffn_gate_exps.weight",
-    expert_up="ffn_up_exps.weight",
-    expert_down="ffn_down_exps.weight",
-    post_attn_norm="post_attention_norm.weight",
-    post_mlp_norm="post_ffw_norm.weight",
-    q_bias="attn_q.bias",
-    k_bias="attn_k.bias",
-    v_bias="attn_v.bias",
-    q_norm="attn_q_norm.weight",
-    k_norm="attn_k_norm.weight",
-    norms_hold_offset=True,
-)
 # llama: q/k rows permuted for llama.cpp's pairwise RoPE; the others keep HF's rotate-half layout.
 GGUF_LLAMA_NAMES = GGUF_NAMES.replace(permuted_qk=True)
 GGUF_PHI3_NAMES = GGUF_NAMES.replace(qkv_proj="attn_qkv.weight", gate_up_proj="ffn_up.weight")
@@ -105,26 +81,10 @@ MIXTRAL = Family(
     hf_keys=frozenset({"num_local_experts", "num_experts_per_tok"}),
     activation_option="moe_activation",
 )
-QWEN2 = Family(
-    "qwen2",
-    {"qkv_bias": True},
-    hf=HF_NAMES,
-    gguf=GGUF_NAMES,
-    hf_architectures=("Qwen2ForCausalLM",),
-    hf_keys=frozenset({"use_sliding_window"}),
-    gguf_architecture="qwen2",
-    sliding_opt_in=True,
-)
-QWEN3 = Family(
-    "qwen3",
-    {"qk_norm": True},
-    hf=HF_NAMES,
-    gguf=GGUF_NAMES,
-    hf_architectures=("Qwen3ForCausalLM",),
-    hf_keys=frozenset({"use_sliding_window"}),
-    gguf_architecture="qwen3",
-    sliding_opt_in=True,
-)
+# Qwen: a sliding window only with use_sliding_window (from max_window_layers on), never in GGUF.
+QWEN = dict(hf=HF_NAMES, gguf=GGUF_NAMES, hf_keys=frozenset({"use_sliding_window"}), sliding_opt_in=True)
+QWEN2 = Family("qwen2", {"qkv_bias": True}, hf_architectures=("Qwen2ForCausalLM",), gguf_architecture="qwen2", **QWEN)
+QWEN3 = Family("qwen3", {"qk_norm": True}, hf_architectures=("Qwen3ForCausalLM",), gguf_architecture="qwen3", **QWEN)
 GEMMA2 = Family(
     "gemma2",
     GEMMA_OPTIONS,
