@@ -1,53 +1,175 @@
-"""What each model family's architecture implies for the decoder, whatever file it comes from (HF
-config.json or GGUF metadata): the fixed options, the default sliding-layer pattern, Llama 3's RoPE
-frequency factors."""
+"""One `Family` record per architecture the importers know, and the registry they look them up in.
+
+Adding a family is one record here (registered with `register`) plus its fixtures: the importers
+(hf_config.py, gguf_config.py, hf.py, gguf_import.py, grok.py) read records, never a family's name.
+"""
 
 from __future__ import annotations
 
-import math
+from hkserve.checkpoint.family import Family, TensorNames
+from hkserve.checkpoint.params import ImportFormatError
 
-import numpy as np
+# Each tensor's name in Hugging Face transformers (Llama layout; Mixtral's experts one tensor each) and
+# in llama.cpp's convert_hf_to_gguf.py (experts stacked, Gemma's norms stored with its +1 added).
+_NAMES = (  # neutral key, HF name, GGUF name
+    ("embed", "model.embed_tokens.weight", "token_embd.weight"),
+    ("final_norm", "model.norm.weight", "output_norm.weight"),
+    ("lm_head", "lm_head.weight", "output.weight"),
+    ("attn_norm", "input_layernorm.weight", "attn_norm.weight"),
+    ("mlp_norm", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("post_attn_norm", "", "post_attention_norm.weight"),
+    ("post_mlp_norm", "", "post_ffw_norm.weight"),
+    ("q_proj", "self_attn.q_proj.weight", "attn_q.weight"),
+    ("k_proj", "self_attn.k_proj.weight", "attn_k.weight"),
+    ("v_proj", "self_attn.v_proj.weight", "attn_v.weight"),
+    ("o_proj", "self_attn.o_proj.weight", "attn_output.weight"),
+    ("q_bias", "self_attn.q_proj.bias", "attn_q.bias"),
+    ("k_bias", "self_attn.k_proj.bias", "attn_k.bias"),
+    ("v_bias", "self_attn.v_proj.bias", "attn_v.bias"),
+    ("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("gate_proj", "mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("up_proj", "mlp.up_proj.weight", "ffn_up.weight"),
+    ("down_proj", "mlp.down_proj.weight", "ffn_down.weight"),
+    ("router", "block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
+    ("expert_gate", "block_sparse_moe.experts.{e}.w1.weight", "ffn_gate_exps.weight"),
+    ("expert_up", "block_sparse_moe.experts.{e}.w3.weight", "ffn_up_exps.weight"),
+    ("expert_down", "block_sparse_moe.experts.{e}.w2.weight", "ffn_down_exps.weight"),
+)
+HF_NAMES = TensorNames(layer_prefix="model.layers.{i}.", **{key: hf for key, hf, _ in _NAMES})
+GGUF_NAMES = TensorNames(layer_prefix="blk.{i}.", norms_hold_offset=True, **{key: gguf for key, _, gguf in _NAMES})
+# Gemma: post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP's.
+HF_GEMMA_NAMES = HF_NAMES.replace(
+    mlp_norm="pre_feedforward_layernorm.weight",
+    post_attn_norm="post_attention_layernorm.weight",
+    post_mlp_norm="post_feedforward_layernorm.weight",
+)
+HF_PHI3_NAMES = HF_NAMES.replace(qkv_proj="self_attn.qkv_proj.weight", gate_up_proj="mlp.gate_up_proj.weight")
 
-# Options fixed by the architecture (ModelConfig fields); everything else comes from the file.
-GEMMA = {"norm_offset": 1.0, "sandwich_norms": True, "mlp_activation": "gelu"}
-FAMILY_OPTIONS: dict[str, dict] = {
-    "llama": {},
-    "mistral": {},
-    "mixtral": {},
-    "phi3": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "gemma2": GEMMA,
-    "gemma3": {**GEMMA, "qk_norm": True},
-}
+# llama: q/k rows permuted for llama.cpp's pairwise RoPE; the others keep HF's rotate-half layout.
+GGUF_LLAMA_NAMES = GGUF_NAMES.replace(permuted_qk=True)
+GGUF_PHI3_NAMES = GGUF_NAMES.replace(qkv_proj="attn_qkv.weight", gate_up_proj="ffn_up.weight")
 
-# Gemma's sliding-layer patterns when a file does not list the layer types: Gemma 2 alternates
-# (sliding first), Gemma 3 has 5 sliding layers then a full one.
-DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_HF_KEYS = frozenset({
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
+    "use_bidirectional_attention",
+})  # fmt: skip
+GEMMA_OPTIONS = {"norm_offset": 1.0, "sandwich_norms": True, "mlp_activation": "gelu"}
+GEMMA = dict(
+    hf=HF_GEMMA_NAMES,
+    gguf=GGUF_NAMES,
+    hf_keys=GEMMA_HF_KEYS,
+    hf_activations=("gelu_pytorch_tanh",),
+    activation_option="",
+    tied_by_default=True,
+    gguf_sliding=True,
+    soft_caps=True,
+)
+
+LLAMA = Family(
+    "llama", {}, hf=HF_NAMES, gguf=GGUF_LLAMA_NAMES, hf_architectures=("LlamaForCausalLM",), gguf_architecture="llama"
+)
+# llama.cpp writes Mistral and Mixtral as llama: their GGUF files import through LLAMA.
+MISTRAL = Family("mistral", {}, hf=HF_NAMES, gguf=GGUF_LLAMA_NAMES, hf_architectures=("MistralForCausalLM",))
+MIXTRAL = Family(
+    "mixtral",
+    {},
+    hf=HF_NAMES,
+    gguf=GGUF_LLAMA_NAMES,
+    hf_architectures=("MixtralForCausalLM",),
+    hf_keys=frozenset({"num_local_experts", "num_experts_per_tok"}),
+    activation_option="moe_activation",
+)
+# Qwen: a sliding window only with use_sliding_window (from max_window_layers on), never in GGUF.
+QWEN = dict(hf=HF_NAMES, gguf=GGUF_NAMES, hf_keys=frozenset({"use_sliding_window"}), sliding_opt_in=True)
+QWEN2 = Family("qwen2", {"qkv_bias": True}, hf_architectures=("Qwen2ForCausalLM",), gguf_architecture="qwen2", **QWEN)
+QWEN3 = Family("qwen3", {"qk_norm": True}, hf_architectures=("Qwen3ForCausalLM",), gguf_architecture="qwen3", **QWEN)
+GEMMA2 = Family(
+    "gemma2",
+    GEMMA_OPTIONS,
+    hf_architectures=("Gemma2ForCausalLM",),
+    gguf_architecture="gemma2",
+    sliding_pattern=2,  # alternating, sliding first
+    gguf_dim_scale_layers=46,
+    **GEMMA,
+)
+GEMMA3 = Family(
+    "gemma3",
+    {**GEMMA_OPTIONS, "qk_norm": True},
+    hf_architectures=("Gemma3ForCausalLM",),
+    gguf_architecture="gemma3",
+    default_rope_theta=1e6,
+    hf_local_theta_key="rope_local_base_freq",
+    gguf_local_theta_key="rope.freq_base_swa",
+    sliding_pattern=6,  # 5 sliding layers, then a full one
+    gguf_dim_scale_layers=62,
+    **GEMMA,
+)
+PHI3 = Family(
+    "phi3",
+    {},
+    hf=HF_PHI3_NAMES,
+    gguf=GGUF_PHI3_NAMES,
+    hf_architectures=("Phi3ForCausalLM",),
+    hf_keys=frozenset({"partial_rotary_factor"}),
+    gguf_architecture="phi3",
+    gguf_sliding=True,
+)
+# xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
+GROK_NAMES = TensorNames(
+    layer_prefix="transformer/decoder_layer_{i}/",
+    embed="language_model/in_out_embed/embeddings",
+    final_norm="language_model/rms_norm/scale",
+    lm_head="",
+    attn_norm="rms_norm/scale",
+    post_attn_norm="rms_norm_1/scale",
+    mlp_norm="rms_norm_2/scale",
+    post_mlp_norm="rms_norm_3/scale",
+    q_proj="multi_head_attention/query/w",
+    k_proj="multi_head_attention/key/w",
+    v_proj="multi_head_attention/value/w",
+    o_proj="multi_head_attention/linear/w",
+    router="router/w",
+    expert_gate="moe/linear/w",  # the gelu branch
+    expert_up="moe/linear_v/w",  # the linear branch
+    expert_down="moe/linear_1/w",
+    out_in=False,
+)
+GROK = Family(
+    "grok-1",
+    {"tie_embeddings": True, "sandwich_norms": True, "moe_routing": "grok", "moe_activation": "gelu"},
+    release=GROK_NAMES,
+)
+
+FAMILIES: dict[str, Family] = {}
 
 
-def sliding_by_pattern(n_layers: int, pattern: int) -> tuple[bool, ...]:
-    """Every `pattern`-th layer (1-based) is full, the others slide (HF's sliding_window_pattern)."""
-    return tuple((i + 1) % pattern != 0 for i in range(n_layers))
+def register(family: Family) -> Family:
+    """Make `family` known to the importers (by its HF architecture names and GGUF architecture)."""
+    if family.name in FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
 
 
-def llama3_freq_factors(
-    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float, original_context: int
-) -> tuple[float, ...]:
-    """Divisors of the RoPE frequencies for rope_type "llama3" (Llama 3.1/3.2), computed as llama.cpp's
-    converter writes its rope_freqs tensor: long wavelengths slowed by `factor`, short ones kept, the
-    band between interpolated."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    low_wavelen = original_context / low_freq_factor
-    high_wavelen = original_context / high_freq_factor
-    factors = []
-    for freq in inv_freq:
-        wavelen = 2 * math.pi / float(freq)
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(float(factor))
-        else:
-            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return tuple(factors)
+for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GROK):
+    register(_family)
+
+
+def hf_family(architecture: str) -> Family:
+    """The family of an HF config.json "architectures" name."""
+    by_arch = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
+    if architecture not in by_arch:
+        supported = ", ".join(sorted(by_arch))
+        raise ImportFormatError(f"unsupported architecture {architecture!r} (supported: {supported})")
+    return by_arch[architecture]
+
+
+def gguf_family(architecture: str) -> Family:
+    """The family of a GGUF file's general.architecture."""
+    by_arch = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+    if architecture not in by_arch:
+        supported = ", ".join(by_arch)
+        raise ImportFormatError(f"unsupported GGUF architecture {architecture!r} (supported: {supported})")
+    return by_arch[architecture]

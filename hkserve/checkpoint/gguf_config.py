@@ -1,9 +1,9 @@
-"""GGUF metadata → ModelConfig for llama.cpp's architectures llama (also Mistral and Mixtral, which
-llama.cpp writes as llama), qwen2, qwen3, gemma2, gemma3 and phi3.
+"""GGUF metadata → ModelConfig for the families whose record names a llama.cpp architecture (Mistral
+and Mixtral come as llama, which llama.cpp writes them as).
 
 What llama.cpp fixes per architecture rather than storing (Gemma's sliding-layer pattern, embedding
-scale and attention scale) is filled in as llama.cpp does; metadata asking for what the decoder does
-not implement (RoPE scaling types, partial rotary dims) is refused.
+scale and attention scale) is filled in from the family's record, as llama.cpp does; metadata asking
+for what the decoder does not implement (RoPE scaling types, partial rotary dims) is refused.
 """
 
 from __future__ import annotations
@@ -11,43 +11,40 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from hkserve.checkpoint.families import DEFAULT_SLIDING_PATTERN, FAMILY_OPTIONS, sliding_by_pattern
+from hkserve.checkpoint.families import gguf_family
+from hkserve.checkpoint.family import Family
 from hkserve.checkpoint.gguf_reader import dequantize, field
 from hkserve.checkpoint.params import ImportFormatError
+from hkserve.checkpoint.rope_windows import sliding_by_pattern
 from hkserve.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-# llama.cpp takes dim/heads (not head_dim) as the attention scale for these layer counts: the 27B models.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
-
-def _sliding(reader: gguf.GGUFReader, arch: str, n_layers: int) -> dict:
+def _sliding(reader: gguf.GGUFReader, family: Family, arch: str, n_layers: int) -> dict:
     window = int(field(reader, f"{arch}.attention.sliding_window", 0) or 0)
     if not window:
         return {}
-    if arch in ("llama", "qwen2", "qwen3"):
+    if not family.gguf_sliding:
         raise ImportFormatError(f"{arch}: a sliding window in GGUF metadata is not supported")
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer
         sliding = tuple(bool(x) for x in pattern)
-    elif arch in DEFAULT_SLIDING_PATTERN:
-        sliding = sliding_by_pattern(n_layers, int(pattern or DEFAULT_SLIDING_PATTERN[arch]))
-    else:  # phi3: every layer
+    elif family.sliding_pattern:
+        sliding = sliding_by_pattern(n_layers, int(pattern or family.sliding_pattern))
+    else:  # every layer (phi3)
         sliding = (True,) * n_layers
     return {"sliding_window": window, "sliding_layers": sliding}
 
 
-def _gemma(reader: gguf.GGUFReader, arch: str, dim: int, heads: int, head_dim: int, n_layers: int) -> dict:
-    scale_dim = dim // heads if n_layers == _GEMMA_27B_LAYERS[arch] else head_dim
-    options = {
+def _soft_caps(reader: gguf.GGUFReader, family: Family, arch: str, dims: tuple[int, int, int, int]) -> dict:
+    """Gemma's attention scale (llama.cpp: dim/heads for the 27B layer count), embedding scale and caps."""
+    dim, heads, head_dim, n_layers = dims
+    scale_dim = dim // heads if n_layers == family.gguf_dim_scale_layers else head_dim
+    return {
         "attn_multiplier": scale_dim**-0.5,
         "embedding_multiplier": dim**0.5,
         "attn_logit_cap": float(field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
         "final_logit_cap": float(field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0),
     }
-    if arch == "gemma3":
-        options["rope_local_theta"] = float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
-    return options
 
 
 def _rope_freq_factors(reader: gguf.GGUFReader) -> tuple[float, ...]:
@@ -58,10 +55,7 @@ def _rope_freq_factors(reader: gguf.GGUFReader) -> tuple[float, ...]:
 
 def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
     arch = field(reader, "general.architecture", "unknown")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ImportFormatError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    family = gguf_family(arch)
 
     def need(key: str):
         value = field(reader, f"{arch}.{key}")
@@ -81,9 +75,11 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}
-    options = {**FAMILY_OPTIONS[arch], **_sliding(reader, arch, n_layers)}
-    if arch in _GEMMA_27B_LAYERS:
-        options.update(_gemma(reader, arch, dim, heads, head_dim, n_layers))
+    options = {**family.options, **_sliding(reader, family, arch, n_layers)}
+    if family.soft_caps:
+        options.update(_soft_caps(reader, family, arch, (dim, heads, head_dim, n_layers)))
+    if family.gguf_local_theta_key:
+        options["rope_local_theta"] = float(field(reader, f"{arch}.{family.gguf_local_theta_key}", 10000.0))
     return ModelConfig(
         vocab_size=vocab,
         dim=dim,
@@ -95,7 +91,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_freq_factors=_rope_freq_factors(reader),
         norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
+        tie_embeddings=family.gguf.lm_head not in names,
         context_length=int(field(reader, f"{arch}.context_length", 2048)),
         n_experts=int(field(reader, f"{arch}.expert_count", 0) or 0),
         n_experts_per_token=int(field(reader, f"{arch}.expert_used_count", 2) or 2),

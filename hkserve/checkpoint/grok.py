@@ -1,39 +1,25 @@
-"""Import grok-1-style Haiku parameters (xai-org/grok-1's module names) onto our decoder.
-
-grok names → ours: rms_norm / rms_norm_1 / rms_norm_2 / rms_norm_3 are the pre-attention,
-post-attention, pre-MoE and post-MoE norms; query/key/value/linear the attention projections;
-moe/linear (gelu branch), moe/linear_v (linear branch), moe/linear_1 (down) the experts. Weights are
-already [in, out] with head-major columns, as ours are.
+"""Import grok-1-style Haiku parameters (xai-org/grok-1's module names, families.GROK_NAMES) onto our
+decoder: rms_norm / rms_norm_1 / rms_norm_2 / rms_norm_3 are the pre-attention, post-attention,
+pre-MoE and post-MoE norms; query/key/value/linear the attention projections; moe/linear (gelu
+branch), moe/linear_v (linear branch), moe/linear_1 (down) the experts. Weights are already [in, out]
+with head-major columns, as ours are.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from hkserve.checkpoint.families import GROK
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
-from hkserve.model.config import ModelConfig, grok_config
-
-_LAYER = {
-    "rms_norm/scale": "attn_norm",
-    "rms_norm_1/scale": "post_attn_norm",
-    "rms_norm_2/scale": "mlp_norm",
-    "rms_norm_3/scale": "post_mlp_norm",
-    "multi_head_attention/query/w": "q_proj",
-    "multi_head_attention/key/w": "k_proj",
-    "multi_head_attention/value/w": "v_proj",
-    "multi_head_attention/linear/w": "o_proj",
-    "router/w": "router",
-    "moe/linear/w": "expert_gate",
-    "moe/linear_v/w": "expert_up",
-    "moe/linear_1/w": "expert_down",
-}
+from hkserve.checkpoint.tensor_map import neutral_tensors
+from hkserve.model.config import ModelConfig
 
 
 def config_from_grok(cfg: dict, **changes) -> ModelConfig:
     """grok-1's LanguageModelConfig / TransformerConfig fields → ModelConfig (float32)."""
     ffn = int(cfg["emb_size"] * cfg.get("widening_factor", 1.0)) * 2 // 3
     ffn += (8 - ffn % 8) % 8
-    return grok_config(
+    return ModelConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["emb_size"],
         n_layers=cfg["num_layers"],
@@ -50,24 +36,21 @@ def config_from_grok(cfg: dict, **changes) -> ModelConfig:
         rope_theta=cfg.get("rope_base", 10000.0),
         norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5)),
         context_length=cfg.get("sequence_len", 8192),
-        **changes,
+        **{**GROK.options, **changes},
     )
+
+
+class _Arrays:
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def get(self, name: str) -> np.ndarray:
+        try:
+            return np.asarray(self.tensors[name])
+        except KeyError:
+            raise ImportFormatError(f"grok checkpoint lacks {name}") from None
 
 
 def load_grok(tensors: dict, config: ModelConfig) -> dict:
     """{grok haiku name: array} (e.g. an .npz) → our Haiku params for `config`."""
-
-    def take(name: str) -> np.ndarray:
-        try:
-            return np.asarray(tensors[name])
-        except KeyError:
-            raise ImportFormatError(f"grok checkpoint lacks {name}") from None
-
-    def neutral():  # the neutral layout of params.py, layer by layer
-        yield "embed", None, take("language_model/in_out_embed/embeddings")
-        for i in range(config.n_layers):
-            for theirs, ours in _LAYER.items():
-                yield ours, i, take(f"transformer/decoder_layer_{i}/{theirs}")
-        yield "final_norm", None, take("language_model/rms_norm/scale")
-
-    return assemble_params(config, neutral())
+    return assemble_params(config, neutral_tensors(_Arrays(tensors), GROK.release, config, range(config.n_layers)))

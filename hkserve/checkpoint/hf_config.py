@@ -7,20 +7,11 @@ key were absent.
 
 from __future__ import annotations
 
-from hkserve.checkpoint.families import DEFAULT_SLIDING_PATTERN, FAMILY_OPTIONS, llama3_freq_factors, sliding_by_pattern
+from hkserve.checkpoint.families import hf_family
+from hkserve.checkpoint.family import HF_ACTIVATIONS, Family
 from hkserve.checkpoint.params import ImportFormatError
+from hkserve.checkpoint.rope_windows import llama3_freq_factors, sliding_by_pattern
 from hkserve.model.config import ModelConfig
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-}
 
 # Keys with no effect on the logits of a forward pass (training, generation defaults, bookkeeping).
 NEUTRAL = {
@@ -35,24 +26,17 @@ COMMON = {
     "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "hidden_act",
     "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias", "sliding_window", "layer_types",
 }  # fmt: skip
-GEMMA_KEYS = {
+# The keys beyond COMMON this module reads when a family's record lists them (Family.hf_keys).
+FAMILY_KEYS = {
+    "num_local_experts", "num_experts_per_tok", "use_sliding_window", "partial_rotary_factor",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
     "use_bidirectional_attention",
 }  # fmt: skip
-FAMILY_KEYS = {
-    "mixtral": {"num_local_experts", "num_experts_per_tok"},
-    "qwen2": {"use_sliding_window"},
-    "qwen3": {"use_sliding_window"},
-    "gemma2": GEMMA_KEYS,
-    "gemma3": GEMMA_KEYS,
-    "phi3": {"partial_rotary_factor"},
-}
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings", "partial_rotary_factor",
 }  # fmt: skip
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu"}  # HF names → ModelConfig.mlp_activation
 
 
 def _refuse(family: str, what: str) -> ImportFormatError:
@@ -83,39 +67,39 @@ def _rope(family: str, rope: dict, theta: float, head_dim: int) -> tuple[float, 
     raise _refuse(family, f"rope_type {kind!r} (supported: default, llama3)")
 
 
-def _rope_options(family: str, cfg: dict, head_dim: int) -> dict:
+def _rope_options(family: Family, cfg: dict, head_dim: int) -> dict:
     """rope_theta, rope_freq_factors and rope_local_theta from either config form: transformers 5's
     `rope_parameters` (per layer type for Gemma 3) or the older top-level rope_theta / rope_scaling /
     rope_local_base_freq."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(cfg.get("rope_theta", 10000.0 if family != "gemma3" else 1e6))
-    local = float(cfg.get("rope_local_base_freq", 10000.0)) if family == "gemma3" else 0.0
+    theta = float(cfg.get("rope_theta", family.default_rope_theta))
+    local = float(cfg.get(family.hf_local_theta_key, 10000.0)) if family.hf_local_theta_key else 0.0
     if "full_attention" in params or "sliding_attention" in params:
-        theta, factors = _rope(family, params.get("full_attention", {}), theta, head_dim)
-        local, local_factors = _rope(family, params.get("sliding_attention", {}), local or theta, head_dim)
+        theta, factors = _rope(family.name, params.get("full_attention", {}), theta, head_dim)
+        local, local_factors = _rope(family.name, params.get("sliding_attention", {}), local or theta, head_dim)
         if local_factors:
-            raise _refuse(family, "RoPE scaling on sliding layers")
+            raise _refuse(family.name, "RoPE scaling on sliding layers")
     else:
-        theta, factors = _rope(family, params, theta, head_dim)
+        theta, factors = _rope(family.name, params, theta, head_dim)
     return {"rope_theta": theta, "rope_freq_factors": factors, "rope_local_theta": local}
 
 
-def _sliding_options(family: str, cfg: dict, n_layers: int) -> dict:
+def _sliding_options(family: Family, cfg: dict, n_layers: int) -> dict:
     """sliding_window and sliding_layers: from `layer_types` when given, else the family's pattern
     (Gemma), or every layer (Mistral, Phi-3; Qwen only with use_sliding_window, from max_window_layers)."""
     window = int(cfg.get("sliding_window") or cfg.get("sliding_window_size") or 0)
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family.sliding_opt_in and not cfg.get("use_sliding_window", False):
         window = 0  # transformers ignores the window then
     types = cfg.get("layer_types")
     if types is not None:
         unknown = set(types) - {"full_attention", "sliding_attention"}
         if unknown or len(types) != n_layers:
-            raise _refuse(family, f"layer_types {types}")
+            raise _refuse(family.name, f"layer_types {types}")
         sliding = tuple(t == "sliding_attention" for t in types)
-    elif family in DEFAULT_SLIDING_PATTERN:
+    elif family.sliding_pattern:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-        sliding = sliding_by_pattern(n_layers, int(pattern or DEFAULT_SLIDING_PATTERN[family]))
-    elif family in ("qwen2", "qwen3"):
+        sliding = sliding_by_pattern(n_layers, int(pattern or family.sliding_pattern))
+    elif family.sliding_opt_in:
         sliding = tuple(i >= int(cfg.get("max_window_layers", 0)) for i in range(n_layers))
     else:
         sliding = (True,) * n_layers
@@ -124,9 +108,10 @@ def _sliding_options(family: str, cfg: dict, n_layers: int) -> dict:
     return {"sliding_window": window, "sliding_layers": sliding}
 
 
-def _gemma_options(family: str, cfg: dict) -> dict:
+def _soft_cap_options(family: Family, cfg: dict) -> dict:
+    """Gemma's attention scale, embedding scale and logit soft caps."""
     if cfg.get("use_bidirectional_attention"):
-        raise _refuse(family, "use_bidirectional_attention")
+        raise _refuse(family.name, "use_bidirectional_attention")
     return {
         "attn_multiplier": float(cfg["query_pre_attn_scalar"]) ** -0.5,
         "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5,
@@ -135,38 +120,42 @@ def _gemma_options(family: str, cfg: dict) -> dict:
     }
 
 
-def family_of(cfg: dict) -> str:
-    """The family (a key of FAMILY_OPTIONS) of an HF config, by its architecture name."""
-    arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
-    if arch not in ARCHITECTURES:
-        raise ImportFormatError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
-    return ARCHITECTURES[arch]
+def family_of(cfg: dict) -> Family:
+    """The family record of an HF config, by its architecture name."""
+    family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
+    if family.hf_keys - FAMILY_KEYS:
+        raise _refuse(family.name, f"config key(s) {sorted(family.hf_keys - FAMILY_KEYS)} of its record")
+    return family
+
+
+def _checked_activation(family: Family, cfg: dict) -> str:
+    """The config's activation, which the family must list (Gemma's MLP is gelu_pytorch_tanh only)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in family.hf_activations:
+        raise _refuse(family.name, f"activation {act!r} (supported: {', '.join(family.hf_activations)})")
+    return act
 
 
 def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
     family = family_of(cfg)
-    unknown = set(cfg) - NEUTRAL - COMMON - FAMILY_KEYS.get(family, set())
+    unknown = set(cfg) - NEUTRAL - COMMON - family.hf_keys
     if unknown:
-        raise _refuse(family, f"config field(s) {sorted(unknown)}")
+        raise _refuse(family.name, f"config field(s) {sorted(unknown)}")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise _refuse(family, "attention_bias/mlp_bias (biases on the output or MLP projections)")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in ACTIVATIONS:
-        raise _refuse(family, f"activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
-    if family in ("gemma2", "gemma3") and act != "gelu_pytorch_tanh":
-        raise _refuse(family, f"activation {act!r} (Gemma's MLP is gelu_pytorch_tanh)")
-    if family == "phi3" and cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(family, f"partial_rotary_factor {cfg['partial_rotary_factor']}")
+        raise _refuse(family.name, "attention_bias/mlp_bias (biases on the output or MLP projections)")
+    act = _checked_activation(family, cfg)
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(family.name, f"partial_rotary_factor {cfg['partial_rotary_factor']}")
     heads, n_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     options = {
-        **FAMILY_OPTIONS[family],
+        **family.options,
         **_rope_options(family, cfg, head_dim),
         **_sliding_options(family, cfg, n_layers),
-        **(_gemma_options(family, cfg) if family in ("gemma2", "gemma3") else {}),
+        **(_soft_cap_options(family, cfg) if family.soft_caps else {}),
     }
-    if family not in ("gemma2", "gemma3"):
-        options["moe_activation" if family == "mixtral" else "mlp_activation"] = ACTIVATIONS[act]
+    if family.activation_option:
+        options[family.activation_option] = HF_ACTIVATIONS[act]
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
@@ -176,7 +165,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         head_dim=head_dim,
         ffn_dim=cfg["intermediate_size"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
         context_length=int(cfg.get("max_position_embeddings", 2048)),
         n_experts=int(cfg.get("num_local_experts", 0) or 0),
         n_experts_per_token=int(cfg.get("num_experts_per_tok", 2) or 2),

@@ -1,4 +1,4 @@
-"""Our params as an HF checkpoint's config and tensors: the inverse of hf.py.
+"""Our params as an HF checkpoint's config and tensors (families.HF_NAMES): the inverse of hf.py.
 
 Used to load our weights into a peer implementation (transformers) for benchmarks and comparisons.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hkserve.checkpoint.families import HF_NAMES, LLAMA, MIXTRAL
 from hkserve.model.config import ModelConfig
 
 # The family options hf_checkpoint_tensors cannot express, at their plain-Llama values.
@@ -41,30 +42,28 @@ def hf_checkpoint_tensors(config, params) -> dict[str, np.ndarray]:
     def get(module: str, name: str) -> np.ndarray:
         return np.asarray(params[module][name])
 
-    out = {
-        "model.embed_tokens.weight": get("decoder/embed", "embeddings"),
-        "model.norm.weight": get("decoder/final_norm", "scale"),
-    }
+    names = HF_NAMES
+    out = {names.embed: get("decoder/embed", "embeddings"), names.final_norm: get("decoder/final_norm", "scale")}
     if not config.tie_embeddings:
-        out["lm_head.weight"] = get("decoder/lm_head", "w").T
+        out[names.lm_head] = get("decoder/lm_head", "w").T
     stacked = {
-        "input_layernorm.weight": get("decoder/layers/attn_norm", "scale"),
-        "post_attention_layernorm.weight": get("decoder/layers/mlp_norm", "scale"),
+        names.attn_norm: get("decoder/layers/attn_norm", "scale"),
+        names.mlp_norm: get("decoder/layers/mlp_norm", "scale"),
     }
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        stacked[f"self_attn.{proj}.weight"] = get(f"decoder/layers/attention/{proj}", "w").swapaxes(1, 2)
+        stacked[getattr(names, proj)] = get(f"decoder/layers/attention/{proj}", "w").swapaxes(1, 2)
     if config.n_experts:
-        stacked["block_sparse_moe.gate.weight"] = get("decoder/layers/moe/router", "w").swapaxes(1, 2)
-        for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+        stacked[names.router] = get("decoder/layers/moe/router", "w").swapaxes(1, 2)
+        for ours in ("gate_proj", "up_proj", "down_proj"):
             experts = get("decoder/layers/moe", ours).swapaxes(2, 3)  # [L, E, out, in]
-            for e in range(config.n_experts):
-                stacked[f"block_sparse_moe.experts.{e}.{theirs}.weight"] = experts[:, e]
+            theirs = getattr(names, "expert_" + ours.removesuffix("_proj"))
+            stacked |= {theirs.format(e=e): experts[:, e] for e in range(config.n_experts)}
     else:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            stacked[f"mlp.{proj}.weight"] = get(f"decoder/layers/mlp/{proj}", "w").swapaxes(1, 2)
+            stacked[getattr(names, proj)] = get(f"decoder/layers/mlp/{proj}", "w").swapaxes(1, 2)
     for name, value in stacked.items():
         for i in range(config.n_layers):
-            out[f"model.layers.{i}.{name}"] = value[i]
+            out[names.layer_prefix.format(i=i) + name] = value[i]
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -85,12 +84,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
         hidden_act="silu",
         torch_dtype="bfloat16" if config.dtype == "bfloat16" else "float32",
     )
+    family = MIXTRAL if config.n_experts else LLAMA
+    out |= {"architectures": list(family.hf_architectures), "model_type": family.name}
     if config.n_experts:
-        return dict(
-            out,
-            architectures=["MixtralForCausalLM"],
-            model_type="mixtral",
-            num_local_experts=config.n_experts,
-            num_experts_per_tok=config.n_experts_per_token,
-        )
-    return dict(out, architectures=["LlamaForCausalLM"], model_type="llama")
+        out |= {"num_local_experts": config.n_experts, "num_experts_per_tok": config.n_experts_per_token}
+    return out
