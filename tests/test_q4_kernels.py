@@ -17,7 +17,7 @@ from test_int4 import source
 from test_kernels import ISAS, SMOLLM2, quantize_rows
 
 from hkserve.checkpoint.gguf_quant import grouped
-from hkserve.kernels import ffi, pack4, q4ffi
+from hkserve.kernels import dispatch, ffi, pack4, q4ffi
 from hkserve.model.int4 import Int4Weight, grouped_dot, quantize_int4, unpack_nibbles
 
 ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
@@ -113,3 +113,13 @@ def test_a_shape_the_kernel_cannot_read_is_refused():
     with pytest.raises(Exception, match="hk_w4a8"):
         jax.block_until_ready(q4ffi.matmul_w4a8(jnp.ones((2, 100)), *packed, 64, ISAS[0]))
     assert ffi.cpu_isa() >= 1
+
+
+def test_the_avx2_path_can_be_forced_on_any_machine(monkeypatch):
+    monkeypatch.setenv(dispatch.ISA_ENV, "avx2")
+    assert dispatch.machine_isa() == 1 and dispatch.resolve("auto", "int8").isa == 1
+    monkeypatch.setenv(dispatch.ISA_ENV, "")
+    assert dispatch.machine_isa() == ffi.cpu_isa()
+    monkeypatch.setenv(dispatch.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="HKSERVE_KERNEL_ISA"):
+        dispatch.machine_isa()
