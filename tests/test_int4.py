@@ -88,14 +88,14 @@ def test_constant_groups_quantize_exactly():
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_xla_grouped_dot_equals_float64_product_of_the_dequantized_weight(kind):
+def test_xla_grouped_dot_equals_float64_product_of_ggufs_dequantized_weight(kind):
     qtype = Q.Q4_1 if kind == "int4" else Q.Q8_0
     shape = (40, 96)
-    w = grouped(source(qtype, shape, seed=2), qtype, shape)
+    data = source(qtype, shape, seed=2)
+    w, dense = grouped(data, qtype, shape), reference(data, qtype, shape).astype(np.float64)  # gguf's floats
     x = np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32)
     y = np.asarray(jax.jit(grouped_dot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
-    want = x.astype(np.float64) @ dequantize(w).astype(np.float64)
-    assert np.allclose(y, want, rtol=0, atol=1e-5 * (np.abs(x) @ np.abs(dequantize(w))).max())
+    assert np.allclose(y, x.astype(np.float64) @ dense, rtol=0, atol=1e-5 * (np.abs(x) @ np.abs(dense)).max())
 
 
 def test_reader_tensors_map_by_type_and_floats_are_left_to_the_importer(tmp_path):

@@ -58,7 +58,7 @@ def check(y: np.ndarray, x: np.ndarray, w: Int4Weight, tol: float = 1e-5) -> Non
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD)
+@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_kernel_equals_float64_reference(shape, isa):
     k, n = shape
     w = weight(k, n)
