@@ -82,10 +82,11 @@ def machine_isa() -> int:
 def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) -> KernelSpec | None:
     """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for int8 KV-memory
     weights on a single CPU device when this CPU runs an ISA path and the library builds (else they log
-    why not)."""
+    why not). int4 models take them too: hk_w4a8 for their int4 linear weights, the spec's kind for their
+    int8 embeddings (and tied head)."""
     if requested not in CHOICES:
         raise ValueError(f"--kernels must be one of {CHOICES}, got {requested!r}")
-    if requested == "xla" or dtype != "int8" or memory != "kv":
+    if requested == "xla" or dtype not in ("int8", "int4") or memory != "kv":
         return None
     if jax.default_backend() != "cpu":
         return None  # GPU/TPU keep XLA's dots

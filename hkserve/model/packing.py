@@ -1,4 +1,4 @@
-"""Stored int8 params → the layout the CPU kernels read (hkserve/kernels/pack.py), once at load.
+"""Stored int8 (int4) params → the layout the CPU kernels read (hkserve/kernels/pack.py, pack4.py), once at load.
 
 Projections of one input inside the layer stack (q, k, v; gate, up) are then fused into one packed
 weight (`fuse`): their tiles concatenated, each projection starting at a whole tile, and their
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hkserve.kernels import pack
+from hkserve.kernels import pack, pack4
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -23,6 +23,11 @@ def pack_params(params: dict, served: dict) -> dict:
     out: dict = {}
     for module, names in params.items():
         out[module] = {}
+        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 (kernels/pack4.py)
+            packed = dict(zip(("w", "scale", "min"), pack4.pack4(names["w"], names["scale"], names["min"])))
+            out[module] = {**names, **packed}
+            assert all(packed[n].shape == served[module][n].shape for n in packed), module
+            continue
         for name, value in names.items():
             if served[module][name].dtype != jnp.uint8:
                 out[module][name] = value
