@@ -35,8 +35,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 class _Tensors:
     """Reader tensors by name, dequantized on demand; remembers which were never asked for."""
 
-    def __init__(self, reader: gguf.GGUFReader, norm_offset: float):
+    def __init__(self, reader: gguf.GGUFReader, norm_offset: float, decode=dequantize):
         self._by_name = {t.name: t for t in reader.tensors}
+        self.decode = decode  # reader tensor → array (gguf_int4.py: linear weights as int4 groups)
         self.unread = set(self._by_name) - {"rope_freqs.weight"}  # that one is read into the config
         self.norm_offset = norm_offset
 
@@ -47,7 +48,7 @@ class _Tensors:
         if name not in self._by_name:
             raise ImportFormatError(f"GGUF lacks tensor {name}")
         self.unread.discard(name)
-        return dequantize(self._by_name[name])
+        return self.decode(self._by_name[name])
 
     def norm(self, name: str) -> np.ndarray:
         """A norm weight as the decoder stores it (Gemma: without the +1 llama.cpp added)."""
