@@ -55,7 +55,8 @@ def test_int4_model_equals_float_model_of_its_dequantized_weights(tied):
     tokens = np.random.default_rng(0).integers(0, 128, (2, 7)).astype(np.int32)
     got, want = logits(config, params, tokens), logits(base, floats, tokens)
     assert np.allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    assert not np.allclose(want, logits(base, master, tokens), rtol=0, atol=1e-4 * np.abs(want).max())
+    exact = logits(base, master, tokens)  # the float weights: int4 is near them, not equal
+    assert 1e-4 < np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.25  # random weights: 0.13
 
 
 def test_int4_is_refused_where_it_is_not_implemented():
@@ -110,3 +111,23 @@ def test_int4_model_with_kernels_follows_the_xla_int4_model(tied):
     got = np.asarray(jax.jit(model.forward)(packed, tokens, memory, np.full(3, 5))[0])
     want = logits(config, params, tokens)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+
+
+def test_an_int4_request_is_bit_identical_alone_or_among_others_in_the_engine():
+    """The Engine serves an int4 model with hk_w4a8 (prepare, params placed on the mesh, decode steps):
+    a request's tokens alone equal its tokens among others."""
+    base = tiny_config(vocab_size=256)
+    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(2)))
+    config, params = convert_params(master, base, "int4")
+    engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, slots=4, max_len=64)
+    runner = InferenceRunner(engine).start(warmup=False)
+    try:
+        request = Request([5, 17, 33, 2, 64, 9, 11], 12)
+        alone = [t.id for t in runner.generate(request)]
+        rng = np.random.default_rng(1)
+        noise = [Request(rng.integers(0, 256, 1 + 3 * i).tolist(), 10) for i in range(3)]
+        streams = [runner.submit(r) for r in (noise[0], request, noise[1], noise[2])]
+        together = [[e.token.id for e in s if e.token is not None] for s in streams]
+    finally:
+        runner.stop()
+    assert together[1] == alone and len(alone) == 12
