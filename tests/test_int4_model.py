@@ -131,3 +131,20 @@ def test_an_int4_request_is_bit_identical_alone_or_among_others_in_the_engine():
     finally:
         runner.stop()
     assert together[1] == alone and len(alone) == 12
+
+
+def test_the_int4_kernel_model_reads_the_layer_stack_in_place():
+    """As int8's (test_kernels.py): the compiled step slices no packed int4 weight, scale or min out of the
+    layer stack (a copy of every layer's weight every step)."""
+    base = tiny_config()
+    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0)))
+    config, params = convert_params(master, base, "int4")
+    model = build_model(config, dispatch.resolve("auto", "int4"))
+    params = jax.jit(model.prepare)(params)
+    stacked = [names for module, names in params.items() if module.startswith("decoder/layers/") and "min" in names]
+    assert len(stacked) == 7 and all(n["w"].shape[0] == config.n_layers for n in stacked)  # q k v o gate up down
+    lowered = jax.jit(model.forward).lower(params, np.zeros((2, 1), np.int32), init_memory(config, 2, 8), np.ones(2))
+    hlo = lowered.compile().as_text()
+    shapes = {f"[{','.join(map(str, (1, *a.shape[1:])))}]" for n in stacked for a in n.values()}  # one layer's
+    sliced = [line for line in hlo.splitlines() if " dynamic-slice(" in line and any(s in line for s in shapes)]
+    assert not sliced, sliced[:3]
