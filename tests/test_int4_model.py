@@ -105,7 +105,7 @@ def test_int4_model_with_kernels_follows_the_xla_int4_model(tied):
     assert kernels is not None
     model = build_model(config, kernels)
     packed = jax.jit(model.prepare)(params)
-    assert packed["decoder/layers/attention/q_proj"]["w"].shape == (2, 1, 3, 1024)
+    assert packed["decoder/layers/attention/qkv_proj"]["w"].shape == (2, 3, 3, 1024)  # q, k, v fused: a tile each
     tokens = np.random.default_rng(0).integers(0, 128, (3, 5)).astype(np.int32)
     memory = init_memory(config, 3, 32)
     got = np.asarray(jax.jit(model.forward)(packed, tokens, memory, np.full(3, 5))[0])
@@ -142,7 +142,7 @@ def test_the_int4_kernel_model_reads_the_layer_stack_in_place():
     model = build_model(config, dispatch.resolve("auto", "int4"))
     params = jax.jit(model.prepare)(params)
     stacked = [names for module, names in params.items() if module.startswith("decoder/layers/") and "min" in names]
-    assert len(stacked) == 7 and all(n["w"].shape[0] == config.n_layers for n in stacked)  # q k v o gate up down
+    assert len(stacked) == 4 and all(n["w"].shape[0] == config.n_layers for n in stacked)  # qkv, o, gate_up, down
     lowered = jax.jit(model.forward).lower(params, np.zeros((2, 1), np.int32), init_memory(config, 2, 8), np.ones(2))
     hlo = lowered.compile().as_text()
     shapes = {f"[{','.join(map(str, (1, *a.shape[1:])))}]" for n in stacked for a in n.values()}  # one layer's

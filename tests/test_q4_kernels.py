@@ -19,6 +19,7 @@ from test_kernels import ISAS, SMOLLM2, quantize_rows
 from hkserve.checkpoint.gguf_quant import grouped
 from hkserve.kernels import dispatch, ffi, pack4, q4ffi
 from hkserve.model.int4 import Int4Weight, grouped_dot, quantize_int4, unpack_nibbles
+from hkserve.model.packing import fuse
 
 ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
 
@@ -123,3 +124,26 @@ def test_the_avx2_path_can_be_forced_on_any_machine(monkeypatch):
     monkeypatch.setenv(dispatch.ISA_ENV, "sse2")
     with pytest.raises(ValueError, match="HKSERVE_KERNEL_ISA"):
         dispatch.machine_isa()
+
+
+def test_fused_int4_projections_give_each_projection_its_own_bits():
+    """q, k, v packed as one int4 weight (model/packing.fuse) and split after one call give exactly what
+    each projection's own call gives, widths not multiples of a tile included."""
+    isa, widths, k, layers = ISAS[0], (100, 70, 64), 96, 2
+    parts = {}
+    for name, n in zip(("q_proj", "k_proj", "v_proj"), widths):
+        stack = [pack4.pack4(*map(jnp.asarray, weight(k, n, seed=layer))) for layer in range(layers)]
+        parts[f"decoder/layers/attention/{name}"] = dict(zip(("w", "scale", "min"), map(jnp.stack, zip(*stack))))
+    fused = fuse(parts)
+    assert set(fused) == {"decoder/layers/attention/qkv_proj"}
+    fused = fused["decoder/layers/attention/qkv_proj"]
+    x = np.random.default_rng(4).standard_normal((5, k)).astype(np.float32)
+
+    def call(part, n, layer):
+        return np.asarray(q4ffi.matmul_w4a8(x, part["w"], part["scale"], part["min"], n, isa, layer=np.int32(layer)))
+
+    for layer in range(layers):
+        y, at = call(fused, fused["w"].shape[1] * 64, layer), 0
+        for part, n in zip(parts.values(), widths):
+            np.testing.assert_array_equal(y[:, at : at + n], call(part, n, layer))
+            at += -(-n // 64) * 64

@@ -20,7 +20,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from hkserve.kernels import dispatch, ffi, pack
+from hkserve.kernels import dispatch, ffi, pack, q4ffi
 
 STACK = "decoder/layers/"  # hk.layer_stack's module prefix of the decoder's blocks
 
@@ -90,7 +90,11 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     if weight is None:
         return None
     kernel = dispatch.active()
-    y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
+    if weight.mins is not None:  # int4: every part's columns, padded to whole tiles
+        n = weight.packed.shape[1] * pack.N_TILE
+        y = q4ffi.matmul_w4a8(x, *weight[:2], weight.mins, n, kernel.isa, kernel.threads, layer=weight.layer)
+    else:
+        y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
     outs, at = [], 0
     for width in widths:
         outs.append(y[..., at : at + width])
