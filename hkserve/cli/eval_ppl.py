@@ -13,12 +13,13 @@ import numpy as np
 from hkserve.checkpoint.store import ModelStore
 from hkserve.kernels.dispatch import KernelSpec, add_kernels_argument, resolve
 from hkserve.model.build import build_model
+from hkserve.model.config import WEIGHTS
 from hkserve.model.memory import init_memory
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8"])
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS))
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--window", type=int, default=512, help="tokens per forward (non-overlapping windows)")
     add_kernels_argument(p)

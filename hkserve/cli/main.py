@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from pathlib import Path
 
 from hkserve.bench.cli import add_bench_parser
-from hkserve.checkpoint.convert import convert, pull
+from hkserve.checkpoint.convert import convert, pull, store_gguf_int4
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
 from hkserve.cli.compile_cache import enable_compile_cache
@@ -33,7 +34,7 @@ def _log(message: str) -> None:
 
 def cmd_pull(args) -> int:
     store = ModelStore()
-    pull(args.name, store, progress=not args.quiet)
+    pull(args.name, store, progress=not args.quiet, weights=args.weights)
     if args.weights != "f32":
         store.params(args.name, weights=args.weights)  # makes and stores the variant once
     return 0
@@ -42,6 +43,8 @@ def cmd_pull(args) -> int:
 def cmd_convert(args) -> int:
     store = ModelStore()
     path = convert(args.path, args.name, store, overwrite=args.overwrite, progress=not args.quiet)
+    if args.weights == "int4" and Path(args.path).is_file():  # a GGUF's int4 from its own blocks
+        store_gguf_int4(args.path, args.name, store, progress=not args.quiet)
     if args.weights != "f32":
         store.params(args.name, weights=args.weights)
     _log(f"{args.name} stored at {path}")

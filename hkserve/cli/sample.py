@@ -35,6 +35,7 @@ from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.requests import Overloaded, Request
 from hkserve.engine.state import check_context
 from hkserve.kernels.dispatch import add_kernels_argument
+from hkserve.model.config import WEIGHTS
 from hkserve.model.sampling import SamplingParams
 
 
@@ -47,7 +48,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--weights",
         default=None,
-        choices=["f32", "bf16", "int8"],
+        choices=list(WEIGHTS),
         help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
     )
     add_kernels_argument(p)

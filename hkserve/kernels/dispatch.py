@@ -67,20 +67,33 @@ def add_kernels_argument(p) -> None:
     )
 
 
+ISA_ENV = "HKSERVE_KERNEL_ISA"  # "avx2": the AVX2 paths on an AVX-512 machine too (to test and measure them)
+
+
+def machine_isa() -> int:
+    """The ISA path the kernels run: this CPU's best, or AVX2 where HKSERVE_KERNEL_ISA=avx2 asks for it."""
+    isa, forced = ffi.cpu_isa(), os.environ.get(ISA_ENV, "")
+    if forced not in ("", *ffi.ISA_NAMES.values()):
+        raise ValueError(f"{ISA_ENV} must be one of {sorted(ffi.ISA_NAMES.values())}, got {forced!r}")
+    wanted = {name: level for level, name in ffi.ISA_NAMES.items()}.get(forced, isa)
+    return min(isa, wanted)
+
+
 def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) -> KernelSpec | None:
     """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for int8 KV-memory
     weights on a single CPU device when this CPU runs an ISA path and the library builds (else they log
-    why not)."""
+    why not). int4 models take them too: hk_w4a8 for their int4 linear weights, the spec's kind for their
+    int8 embeddings (and tied head)."""
     if requested not in CHOICES:
         raise ValueError(f"--kernels must be one of {CHOICES}, got {requested!r}")
-    if requested == "xla" or dtype != "int8" or memory != "kv":
+    if requested == "xla" or dtype not in ("int8", "int4") or memory != "kv":
         return None
     if jax.default_backend() != "cpu":
         return None  # GPU/TPU keep XLA's dots
     if devices != 1:
         log.warning("kernels: a %d-device mesh runs XLA's dots (the kernels run on a 1x1 mesh)", devices)
         return None
-    isa = ffi.cpu_isa()
+    isa = machine_isa()
     if isa == 0:
         log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA's dots")
         return None

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "problem.h"
+#include "quant8.h"
 #include "threads.h"
 #include "w8a16.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,7 +36,7 @@
 namespace {
 
 using hk::NT, hk::QK, hk::Problem, hk::blocks16, hk::prefetch_128, hk::prefetch_256, hk::store_tile;
-using hk::a16_rows_512, hk::a16_rows_avx2, hk::quantize_rows16;
+using hk::a16_rows_512, hk::a16_rows_avx2, hk::quantize_block, hk::quantize_rows16;
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
@@ -217,24 +218,6 @@ void run_tile(const Problem& p, int64_t t, int64_t r, int64_t end) {
 }
 
 // ---------------------------------------------------------------- activations
-
-// One block of 32 values (zero past `n`) → int8 q, |q|, and its scale absmax / 127; returns sum(q).
-// Compiled for AVX2 (every ISA path has it) so that nearbyint is one vroundps, not a libm call.
-__attribute__((target("avx2,fma"))) int32_t quantize_block(const float* x, int64_t n, int8_t* q, uint8_t* qa,
-                                                            float* d) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  float inv = amax > 0.f ? 127.f / amax : 0.f;
-  *d = amax / 127.f;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < QK; ++i) {
-    int32_t v = i < n ? static_cast<int32_t>(std::nearbyint(x[i] * inv)) : 0;
-    v = std::max(-127, std::min(127, v));
-    q[i] = static_cast<int8_t>(v), qa[i] = static_cast<uint8_t>(v < 0 ? -v : v);
-    sum += v;
-  }
-  return sum;
-}
 
 __attribute__((target("avx2,fma"))) void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* xq,
                                                         uint8_t* xa, float* d, float* c) {

@@ -30,6 +30,7 @@ class ModelConfig:
     n_experts_per_token: int = 2
     memory: str = "kv"  # "kv" (softmax KV cache) | "vq" (Transformer-VQ: codebook keys, constant-size state)
     dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
+    # | int4 (linear weights in groups of 32 with f32 scale and min, model/int4.py; embeddings int8)
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
@@ -70,8 +71,10 @@ class ModelConfig:
             raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv', 'vq')")
         if self.memory == "vq":
             self._check_vq()
-        if self.dtype not in ("float32", "bfloat16", "int8"):
-            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8)")
+        if self.dtype not in ("float32", "bfloat16", "int8", "int4"):
+            raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8 | int4)")
+        if self.dtype == "int4" and (self.n_experts or self.memory != "kv"):
+            raise ValueError("int4 weights are implemented for dense KV decoders only (not MoE experts, not VQ)")
         if self.moe_routing not in ("mixtral", "grok"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
         if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
@@ -165,7 +168,7 @@ class ModelConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
-WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}  # --weights names → dtypes
+WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # --weights names → dtypes
 
 
 def default_weights(backend: str, requested: str | None) -> str:

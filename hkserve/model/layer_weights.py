@@ -1,4 +1,4 @@
-"""The scanned layers' packed int8 weights, handed to the CPU kernels whole instead of layer by layer.
+"""The scanned layers' packed int8 (and int4) weights, handed to the CPU kernels whole instead of layer by layer.
 
 `hk.layer_stack` scans the decoder's blocks over their stacked params, and XLA's CPU backend
 materializes each layer's slice before a custom call (or a dot) can read it: for SmolLM2 that copied
@@ -20,15 +20,16 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from hkserve.kernels import dispatch, ffi, pack
+from hkserve.kernels import dispatch, ffi, pack, q4ffi
 
 STACK = "decoder/layers/"  # hk.layer_stack's module prefix of the decoder's blocks
 
 
 class HeldWeight(NamedTuple):
-    packed: jax.Array  # [L, N/64, K/4, 64, 4] uint8, every layer's packed weight
-    scale: jax.Array  # [L, N] float32
+    packed: jax.Array  # [L, N/64, K/4, 64, 4] uint8, every layer's packed weight (int4: [L, N/64, K/32, 1024])
+    scale: jax.Array  # [L, N] float32 (int4: [L, N/64, K/32, 64])
     layer: jax.Array  # [] int32: the layer the scan is at
+    mins: jax.Array | None = None  # int4 only: [L, N/64, K/32, 64] float32 (kernels/pack4.py)
 
 
 _HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hkserve_held_weights", default=None)
@@ -40,9 +41,11 @@ def split(params: dict) -> tuple[dict, dict]:
     rest, held = {}, {}
     for module, names in params.items():
         w = names.get("w")
-        if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and w.ndim == 5:
-            held[module[len(STACK) :]] = (w, names["scale"])
-            others = {k: v for k, v in names.items() if k not in ("w", "scale")}
+        int4 = "min" in names and w is not None and w.ndim == 4  # packed by kernels/pack4.py
+        if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and (w.ndim == 5 or int4):
+            parts = ("w", "scale", "min") if int4 else ("w", "scale")
+            held[module[len(STACK) :]] = tuple(names[p] for p in parts)
+            others = {k: v for k, v in names.items() if k not in parts}
             if others:  # e.g. a bias beside the weight
                 rest[module] = others
         else:
@@ -75,7 +78,8 @@ def held(module: str) -> HeldWeight | None:
     weights, layer = _HELD.get(), _LAYER.get()
     if weights is None or layer is None or module not in weights:
         return None
-    return HeldWeight(*weights[module], layer)
+    packed, scale, *mins = weights[module]
+    return HeldWeight(packed, scale, layer, *mins)
 
 
 def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] | None:
@@ -86,7 +90,11 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     if weight is None:
         return None
     kernel = dispatch.active()
-    y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
+    if weight.mins is not None:  # int4: every part's columns, padded to whole tiles
+        n = weight.packed.shape[1] * pack.N_TILE
+        y = q4ffi.matmul_w4a8(x, *weight[:2], weight.mins, n, kernel.isa, kernel.threads, layer=weight.layer)
+    else:
+        y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
     outs, at = [], 0
     for width in widths:
         outs.append(y[..., at : at + width])

@@ -11,16 +11,18 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from hkserve.kernels import dispatch, ffi, pack
+from hkserve.kernels import dispatch, ffi, pack, pack4, q4ffi
 from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
+from hkserve.model.int4 import GROUP, Int4Weight, grouped_dot
 
 F32 = jnp.float32
+INT4 = "int4"  # the param_dtype of int4 models' linear weights: Int4Weight params w, scale, min
 
 
 def param_dtype(config: ModelConfig):
     """Storage dtype of weight matrices (norm scales stay float32 for int8 weights)."""
-    return {"bfloat16": jnp.bfloat16, "int8": jnp.int8}.get(config.dtype, F32)
+    return {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "int4": INT4}.get(config.dtype, F32)
 
 
 def norm_dtype(config: ModelConfig):
@@ -103,9 +105,13 @@ class Linear(hk.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         held = layer_weights.held(hk.experimental.current_name())
-        if held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
-            kernel = dispatch.active()
+        kernel = dispatch.active()
+        if held is not None and held.mins is not None:  # int4, kernel mode inside the layer stack
+            y = q4ffi.matmul_w4a8(x, *held[:2], held.mins, self.out_dim, kernel.isa, kernel.threads, layer=held.layer)
+        elif held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
             y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
+        elif self.dtype == INT4:
+            y = _int4_linear(x, self.out_dim)
         else:
             w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
             y = qdot(x, w, scale)
@@ -114,13 +120,30 @@ class Linear(hk.Module):
         return y
 
 
+def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
+    """x · an Int4Weight [K, out_dim] (K padded to whole groups): hk_w4a8 with the CPU kernels, else
+    dequantized in the dot (XLA)."""
+    groups = -(-x.shape[-1] // GROUP)
+    kernel = dispatch.active()
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.py)
+        wshape, sshape = pack4.packed_shapes((groups * GROUP // 2, out_dim))
+        w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
+        scale, low = (hk.get_parameter(n, sshape, F32, init=jnp.zeros) for n in ("scale", "min"))
+        return q4ffi.matmul_w4a8(x, w, scale, low, out_dim, kernel.isa, kernel.threads)
+    w = hk.get_parameter("w", [groups * GROUP // 2, out_dim], jnp.uint8, init=jnp.zeros)
+    scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
+    low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)
+    return grouped_dot(x, Int4Weight(w, scale, low))
+
+
 class Embed(hk.Module):
-    """Token embeddings [V, D]; also the output head when embeddings are tied."""
+    """Token embeddings [V, D]; also the output head when embeddings are tied. int4 models keep their
+    embeddings int8 (per-row scales): a lookup reads one row, and the tied head runs as int8."""
 
     def __init__(self, vocab_size: int, dim: int, dtype, name: str = "embed"):
         super().__init__(name=name)
         self.shape = (vocab_size, dim)
-        self.dtype = dtype
+        self.dtype = jnp.int8 if dtype == INT4 else dtype
 
     def _table(self):
         """[V, D] embeddings and, for int8, a scale per token row [V] (= per output channel when tied)."""

@@ -1,4 +1,4 @@
-"""Stored int8 params → the layout the CPU kernels read (hkserve/kernels/pack.py), once at load.
+"""Stored int8 (int4) params → the layout the CPU kernels read (hkserve/kernels/pack.py, pack4.py), once at load.
 
 Projections of one input inside the layer stack (q, k, v; gate, up) are then fused into one packed
 weight (`fuse`): their tiles concatenated, each projection starting at a whole tile, and their
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hkserve.kernels import pack
+from hkserve.kernels import pack, pack4
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -23,6 +23,11 @@ def pack_params(params: dict, served: dict) -> dict:
     out: dict = {}
     for module, names in params.items():
         out[module] = {}
+        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 (kernels/pack4.py)
+            packed = dict(zip(("w", "scale", "min"), pack4.pack4(names["w"], names["scale"], names["min"])))
+            out[module] = {**names, **packed}
+            assert all(packed[n].shape == served[module][n].shape for n in packed), module
+            continue
         for name, value in names.items():
             if served[module][name].dtype != jnp.uint8:
                 out[module][name] = value
@@ -34,12 +39,18 @@ def pack_params(params: dict, served: dict) -> dict:
 
 
 def _fusable(entry: dict | None) -> bool:
-    return entry is not None and set(entry) == {"w", "scale"} and entry["w"].dtype == jnp.uint8 and entry["w"].ndim == 5
+    """A packed stacked weight without a bias: int8 (w, scale) or int4 (w, scale, min; kernels/pack4.py)."""
+    if entry is None or entry["w"].dtype != jnp.uint8:
+        return False
+    return (set(entry) == {"w", "scale"} and entry["w"].ndim == 5) or (
+        set(entry) == {"w", "scale", "min"} and entry["w"].ndim == 4
+    )
 
 
 def fuse(params: dict) -> dict:
     """Each module of the layer stack with all the parts of a FUSED projection, packed and without
-    biases, gets them as one `<module>/<fused name>` {w [L, sum N_pad/64, K/4, 64, 4], scale [L, sum N_pad]}."""
+    biases, gets them as one `<module>/<fused name>` {w [L, sum N_pad/64, K/4, 64, 4], scale [L, sum N_pad]}
+    (int4: {w [L, sum N_pad/64, K/32, 1024], scale and min [L, sum N_pad/64, K/32, 64]})."""
     out = dict(params)
     for module in params:
         for name, parts in FUSED.items():
@@ -49,12 +60,15 @@ def fuse(params: dict) -> dict:
             entries = [params.get(parent + part) for part in parts]
             if not all(_fusable(e) for e in entries):
                 continue
+            for part in parts:
+                del out[parent + part]
+            if "min" in entries[0]:  # int4: w, scale and min are all per tile [L, N/64, ...]
+                out[parent + name] = {n: jnp.concatenate([e[n] for e in entries], axis=1) for n in entries[0]}
+                continue
             scales = []
             for e in entries:
                 n = e["scale"].shape[-1]
                 scales.append(jnp.pad(e["scale"], [(0, 0), (0, pack.padded_width(n) - n)]))
-            for part in parts:
-                del out[parent + part]
             out[parent + name] = {
                 "w": jnp.concatenate([e["w"] for e in entries], axis=1),
                 "scale": jnp.concatenate(scales, axis=-1),

@@ -107,7 +107,9 @@ def param_specs(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
     for module, names in params_shapes.items():
         for name, leaf in names.items():
             path = f"{module}/{name}"
-            if leaf.dtype == np.uint8:  # packed for the CPU kernels, which run on a 1x1 mesh: replicated
+            # packed for the CPU kernels, which run on a 1x1 mesh, or an int4 weight with its group scales and
+            # mins (model/int4.py; not sharded yet): replicated
+            if leaf.dtype == np.uint8 or "min" in names:
                 specs.setdefault(module, {})[name] = P(*([None] * len(leaf.shape)))
                 continue
             stacked = layer_loop.stacked_path(path)  # one layer's weight follows its stack's rule

@@ -1,0 +1,85 @@
+"""Grouped low-bit weights: int4 with a float32 scale and min per group of 32 inputs (what GGUF's 4-bit
+blocks map into exactly), and int8 with a float32 scale per group (GGUF's Q8_0).
+
+A weight [K, N] (stored [in, out], like every linear weight) is, per output column and group of 32
+consecutive inputs g, w[k, n] = scale[g, n] * q[k, n] + min[g, n], q in 0..15. The store keeps q as
+nibbles, two inputs a byte: byte 16g + i holds input 32g + i in its low nibble and 32g + 16 + i in its
+high one (llama.cpp's order inside a Q4 block). K is padded to whole groups with zero weights.
+
+The XLA path (the CPU fallback and the accelerators' path) dequantizes in the product's prologue,
+which XLA fuses into the dot: the step reads 4-bit bytes and float32 group params, never a float copy.
+kernels/pack4.py lays the same weight out for the CPU kernels (hk_w4a8).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP = 32  # inputs per group: GGUF's Q4_0/Q4_1/Q8_0 block, a Q4_K/Q5_K sub-block
+
+
+class Int4Weight(NamedTuple):
+    nibbles: np.ndarray | jax.Array  # [..., K_pad/2, N] uint8, two inputs a byte (module docstring)
+    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float32
+    min: np.ndarray | jax.Array  # [..., K_pad/32, N] float32
+
+
+class Int8Group(NamedTuple):
+    values: np.ndarray | jax.Array  # [..., K_pad, N] int8
+    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float32: w = scale * values
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [..., K_pad, N] (values 0..15) → nibbles [..., K_pad/2, N]."""
+    *lead, k, n = q.shape
+    g = q.astype(np.uint8).reshape(*lead, k // GROUP, 2, GROUP // 2, n)
+    return (g[..., 0, :, :] | (g[..., 1, :, :] << np.uint8(4))).reshape(*lead, k // 2, n)
+
+
+def unpack_nibbles(nibbles, xp=np):
+    """nibbles [..., K_pad/2, N] → q [..., K_pad, N] uint8 (xp: numpy or jax.numpy)."""
+    *lead, half, n = nibbles.shape
+    g = nibbles.reshape(*lead, half // (GROUP // 2), 1, GROUP // 2, n)
+    q = xp.concatenate([g & 0x0F, g >> 4], axis=-3)  # [..., G, 2, 16, N]
+    return q.reshape(*lead, half * 2, n)
+
+
+def _per_input(group_param, xp=np):
+    """[..., G, N] → [..., G * 32, N]: each group's value at each of its inputs."""
+    return xp.repeat(group_param, GROUP, axis=-2)
+
+
+def dequantize(w: Int4Weight | Int8Group, xp=np):
+    """→ float32 [..., K_pad, N]: scale * q + min in float32, one rounding (scale * q is exact for
+    GGUF's scales: 11-17 significant bits times 4), as gguf's own dequantization computes it."""
+    if isinstance(w, Int8Group):
+        return w.values.astype(xp.float32) * _per_input(w.scale, xp)
+    q = unpack_nibbles(w.nibbles, xp).astype(xp.float32)
+    return q * _per_input(w.scale, xp) + _per_input(w.min, xp)
+
+
+def quantize_int4(w: np.ndarray) -> Int4Weight:
+    """float [..., K, N] → int4 with min/max per group: scale (max - min) / 15, q = round((w - min) /
+    scale). Each value is within scale / 2 = (max - min) / 30 of the input, plus float32 rounding."""
+    w = np.asarray(w, np.float32)
+    *lead, k, n = w.shape
+    kp = -(-k // GROUP) * GROUP
+    w = np.pad(w, [(0, 0)] * len(lead) + [(0, kp - k), (0, 0)])
+    g = w.reshape(*lead, kp // GROUP, GROUP, n)
+    lo, hi = g.min(axis=-2), g.max(axis=-2)  # [..., G, N]
+    scale = ((hi - lo) / np.float32(15)).astype(np.float32)
+    inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((g - lo[..., None, :]) * inv[..., None, :]), 0, 15).astype(np.uint8)
+    return Int4Weight(pack_nibbles(q.reshape(*lead, kp, n)), scale, lo.astype(np.float32))
+
+
+def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group) -> jax.Array:
+    """x [..., K] · a grouped weight → [..., N] float32, dequantized in the dot's prologue (XLA fuses
+    it): the fallback of the CPU kernels and the accelerators' path."""
+    k = x.shape[-1]
+    dense = dequantize(w, jnp)[..., :k, :]  # [K, N]
+    return jnp.dot(x.astype(jnp.float32), dense, preferred_element_type=jnp.float32)

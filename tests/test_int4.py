@@ -1,0 +1,112 @@
+"""Grouped int4 / int8 weights (model/int4.py) and the GGUF block mapping (checkpoint/gguf_quant.py)
+against the `gguf` package's own dequantization: bit for bit for Q4_0, Q4_1, Q4_K and Q8_0; within the
+stated bound ((max - min) / 30 per group of 32, plus float32 rounding) for the requantized Q5_0, Q5_1,
+Q5_K and Q6_K. Tensors are made with gguf.quants.quantize where the package can (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0), else as random blocks in llama.cpp's layout with sane float16 super-scales (Q4_K, Q5_K, Q6_K)."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from hkserve.checkpoint.gguf_quant import EXACT, REQUANTIZED, grouped, grouped_tensor
+from hkserve.model.int4 import Int4Weight, Int8Group, dequantize, grouped_dot, quantize_int4
+
+SHAPE = (48, 512)  # [out, in]: two k-quant super-blocks of 256 per row
+CAN_QUANTIZE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+
+
+def _random_kquant(qtype: Q, shape: tuple[int, int], rng) -> np.ndarray:
+    """Random blocks of a k-quant: every byte random except the float16 super-scales (d, dmin)."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // 256, size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 3e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    dmin = rng.uniform(1e-4, 3e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # ... scales int8 [16], d f16 last
+        blocks[:, -2:] = d
+    else:  # d, dmin f16 first
+        blocks[:, :2], blocks[:, 2:4] = d, dmin
+    return blocks.reshape(-1)
+
+
+def source(qtype: Q, shape=SHAPE, seed: int = 0) -> np.ndarray:
+    """Raw bytes of a [out, in] tensor of `qtype`."""
+    rng = np.random.default_rng(seed)
+    if qtype in CAN_QUANTIZE:
+        w = rng.standard_normal(shape).astype(np.float32) * 0.05
+        w[0, :32] += 0.3  # one group well off zero: the mins matter
+        return gguf.quants.quantize(w, qtype).reshape(-1)
+    return _random_kquant(qtype, shape, rng)
+
+
+def reference(data: np.ndarray, qtype: Q, shape=SHAPE) -> np.ndarray:
+    """gguf's dequantization as [in, out] float32."""
+    return np.asarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(shape).T
+
+
+@pytest.mark.parametrize("qtype", EXACT, ids=lambda q: q.name)
+def test_exact_block_types_equal_gguf_dequantization_bit_for_bit(qtype):
+    data = source(qtype)
+    w = grouped(data, qtype, SHAPE)
+    assert isinstance(w, Int8Group if qtype == Q.Q8_0 else Int4Weight)
+    got, want = dequantize(w), reference(data, qtype)
+    # bits equal but a zero's sign: Q4_0's d * (8 - 8) is -0 for a negative d, d * 8 - 8d is +0
+    assert np.array_equal(np.where(got == 0, 0, got).view(np.uint32), np.where(want == 0, 0, want).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda q: q.name)
+def test_requantized_block_types_stay_within_the_stated_bound(qtype):
+    data = source(qtype)
+    ref = reference(data, qtype)  # [in, out]
+    got = dequantize(grouped(data, qtype, SHAPE))
+    groups = ref.reshape(-1, 32, ref.shape[1])
+    bound = (groups.max(1) - groups.min(1)) / 30  # [in/32, out]
+    err = np.abs(got - ref).reshape(groups.shape)
+    assert np.all(err <= bound[:, None, :] * (1 + 1e-5) + 1e-7 * np.abs(groups))
+    assert err.max() > 0  # a lossy mapping: 5-6 bits do not fit in 4
+
+
+def test_float_quantization_bound_and_zero_padding_of_a_partial_group():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((70, 9)).astype(np.float32)  # K = 70: the third group is partial
+    q = quantize_int4(w)
+    assert q.nibbles.shape == (48, 9) and q.scale.shape == (3, 9)
+    got = dequantize(q)[:70]
+    padded = np.pad(w, [(0, 26), (0, 0)]).reshape(3, 32, 9)
+    bound = np.repeat((padded.max(1) - padded.min(1)) / 30, 32, axis=0)[:70]
+    assert np.all(np.abs(got - w) <= bound * (1 + 1e-5) + 1e-6)
+
+
+def test_constant_groups_quantize_exactly():
+    w = np.full((64, 3), 0.25, np.float32)
+    w[32:] = -1.5
+    assert np.array_equal(dequantize(quantize_int4(w)), w)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_xla_grouped_dot_equals_float64_product_of_ggufs_dequantized_weight(kind):
+    qtype = Q.Q4_1 if kind == "int4" else Q.Q8_0
+    shape = (40, 96)
+    data = source(qtype, shape, seed=2)
+    w, dense = grouped(data, qtype, shape), reference(data, qtype, shape).astype(np.float64)  # gguf's floats
+    x = np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32)
+    y = np.asarray(jax.jit(grouped_dot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
+    assert np.allclose(y, x.astype(np.float64) @ dense, rtol=0, atol=1e-5 * (np.abs(x) @ np.abs(dense)).max())
+
+
+def test_reader_tensors_map_by_type_and_floats_are_left_to_the_importer(tmp_path):
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q4 = source(Q.Q4_1, (8, 64))
+    writer.add_tensor("q4", q4.reshape(8, -1), raw_dtype=Q.Q4_1)
+    writer.add_tensor("f32", np.ones((8, 64), np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert grouped_tensor(tensors["f32"]) is None
+    got = grouped_tensor(tensors["q4"])
+    assert np.array_equal(dequantize(got), reference(q4, Q.Q4_1, (8, 64)))
