@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP API over an InferenceRunner (or any object with its submit / cancel / stats /
-ready interface — tests pass a fake one).
+"""OpenAI-compatible HTTP API over a ServingRunner (engine/protocols.py: InferenceRunner, or tests'
+fake one).
 
 Every error leaves as OpenAI's error body with the right status; a client that disconnects has its
 requests cancelled, so its slots free within one decode step. CPU work on a request (parsing the body,
@@ -43,6 +43,7 @@ from hkserve.api.structured import FieldError, output_spec
 from hkserve.api.tools import Tools, parse_tools, render_messages
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import Grammar, GrammarCompiler, GrammarError, GrammarSpec
+from hkserve.engine.protocols import ServingRunner
 from hkserve.engine.state import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
@@ -59,7 +60,7 @@ def _key_matches(authorization: str, api_key: str) -> bool:
 
 
 def create_app(
-    runner,
+    runner: ServingRunner,
     tokenizer: Tokenizer,
     model_name: str,
     max_len: int,
@@ -75,10 +76,8 @@ def create_app(
     metrics = Metrics(runner.stats)
     spec_metrics.register(metrics.registry, runner)
     app.state.metrics = metrics
-    engine = getattr(runner, "engine", None)  # a fake runner (tests) has none: the tokenizer's vocabulary
-    compiler = GrammarCompiler(tokenizer, engine.model.config.vocab_size if engine else tokenizer.vocab_size)
-    if hasattr(runner, "grammars"):
-        runner.grammars.observe = lambda seconds, _rows: metrics.mask_time.observe(seconds)
+    compiler = GrammarCompiler(tokenizer, runner.vocab_size or tokenizer.vocab_size)
+    runner.observe_masks(lambda seconds, _rows: metrics.mask_time.observe(seconds))
 
     # -- errors -----------------------------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -44,8 +44,10 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 class Engine:
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
-    Not thread-safe: one thread (the runner's loop) calls it.
+    Not thread-safe: one thread (the runner's loop) calls it. A ServingEngine (protocols.py).
     """
+
+    supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class Engine:
         self.mesh = mesh or parse_mesh("1x1", devices=jax.devices()[:1])
         check_slots(slots, self.mesh)
         self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
+        self.vocab_size = config.vocab_size
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         self.prefix_cache = prefix_cache  # "exact": every prefill in fixed chunks (prefix_copy.plan_chunks)
         self.prefill_chunk = min(EXACT_CHUNK, max_len) if prefix_cache == "exact" else None
@@ -92,6 +95,10 @@ class Engine:
         self.reset()
         self._compiled: dict = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
+
+    def spec_counts(self) -> None:
+        """A plain engine does not speculate."""
+        return None
 
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""

@@ -103,11 +103,43 @@ class SpeculativeEngine:
         self._compiled: dict = {}
         self._new_context()
 
-    def __getattr__(self, name):  # everything else is the Engine's (slots, max_len, model, check_fits, ...)
-        return getattr(self.engine, name)
+    # -- the Engine's, forwarded (ServingEngine, protocols.py) -----------------------------------
+    @property
+    def slots(self) -> int:
+        return self.engine.slots
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.max_len
+
+    @property
+    def n_top(self) -> int:
+        return self.engine.n_top
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def prefix_cache(self) -> str:
+        return self.engine.prefix_cache
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.engine.prefill_chunk
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.engine.positions
+
+    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
+        self.engine.check_fits(prompt_len, max_tokens)
 
     @property
     def counts(self) -> SpecCounts:
+        return self.policy.counts
+
+    def spec_counts(self) -> SpecCounts:
         return self.policy.counts
 
     def _new_context(self) -> None:
@@ -171,6 +203,15 @@ class SpeculativeEngine:
     def rows_program(self, prompt_len: int) -> None:
         """No batched prefill: every prompt's tokens reach the context through `prefill`."""
         return None
+
+    def prefill_many(self, slots, prompts, settings):
+        raise ValueError("a speculating engine has no batched prefill (rows_program is None)")
+
+    def step_forward(self, active: np.ndarray):
+        raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
+
+    def step_sample(self, forward, bitmask: np.ndarray):
+        raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
 
     def prefill(self, slot: int, prompt_ids, settings=None, **keywords) -> _PrefillRead:
         """The Engine's prefill (with a prefix cache's `reuse`: the context takes the whole prompt all the same)."""

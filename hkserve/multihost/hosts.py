@@ -119,8 +119,47 @@ class LeaderEngine:
     def __init__(self, engine, leader: Leader):
         self._engine, self._leader = engine, leader
 
-    def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
-        return getattr(self._engine, name)
+    # -- host-side queries and capabilities: host 0's engine answers alone (ServingEngine) ----------
+    @property
+    def slots(self) -> int:
+        return self._engine.slots
+
+    @property
+    def max_len(self) -> int:
+        return self._engine.max_len
+
+    @property
+    def n_top(self) -> int:
+        return self._engine.n_top
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def prefix_cache(self) -> str:
+        return self._engine.prefix_cache
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self._engine.prefill_chunk
+
+    @property
+    def supports_grammars(self) -> bool:
+        return self._engine.supports_grammars
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._engine.positions
+
+    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
+        self._engine.check_fits(prompt_len, max_tokens)
+
+    def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
+        return self._engine.rows_program(prompt_len)
+
+    def spec_counts(self):
+        return self._engine.spec_counts()
 
     def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None):
         """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
