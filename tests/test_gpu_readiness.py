@@ -4,7 +4,6 @@ everything many slots and long prompts need, once."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from helpers import tiny_config, tiny_vq_config
 from hkserve.bench.random_models import RANDOM_CONFIGS, random_config, random_params
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
-from hkserve.cli.loading import load_engine, serving_weights
+from hkserve.cli.loading import LoadOptions, load_engine, serving_weights
 from hkserve.engine.engine import Engine
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.build import build_model
@@ -63,16 +62,16 @@ def test_load_engine_serves_the_backends_default_and_vq_models_their_stored_weig
     assert serving_weights(store, "kv", None) == "bf16"
     assert serving_weights(store, "kv", "f32") == "f32"
     assert serving_weights(store, "vq", None) is None
-    engine = load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64), slots=2)
+    engine = load_engine(LoadOptions(model="kv", max_len=64), slots=2)
     assert engine.model.config.dtype == "bfloat16"
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
     assert engine.state.memory.k.dtype == jnp.bfloat16  # the KV memory follows the weights
     assert "decoder/layer_0/mlp/up_proj" in engine.params  # the layer loop's per-layer weights (layer_loop.py)
     assert not any(module.startswith("decoder/layers/") for module in engine.params)
-    scan = load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64, layers="scan"), slots=2)
+    scan = load_engine(LoadOptions(model="kv", max_len=64, layers="scan"), slots=2)
     assert "decoder/layers/mlp/up_proj" in scan.params and "decoder/layer_0/mlp/up_proj" not in scan.params
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64), slots=2).model.config.dtype == "float32"
+    assert load_engine(LoadOptions(model="kv", max_len=64), slots=2).model.config.dtype == "float32"
 
 
 def test_variants_are_made_from_a_bfloat16_master_too():

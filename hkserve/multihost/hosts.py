@@ -32,6 +32,16 @@ log = logging.getLogger("hkserve.multihost")
 
 
 @dataclasses.dataclass(frozen=True)
+class HostFlags:
+    """The multi-host flags as given (None: not given; HostGroup.from_flags then reads the environment)."""
+
+    coordinator: str | None = None  # --coordinator HOST:PORT
+    num_hosts: int | None = None  # --num-hosts
+    host_id: int | None = None  # --host-id
+    hosts_mesh: str | None = None  # --hosts-mesh DATAxMODEL
+
+
+@dataclasses.dataclass(frozen=True)
 class HostGroup:
     """Where this process sits among the hosts of one server."""
 
@@ -48,23 +58,22 @@ class HostGroup:
         return self.coordinator.rsplit(":", 1)[0]
 
     @classmethod
-    def from_args(cls, args) -> HostGroup | None:
+    def from_flags(cls, flags: HostFlags) -> HostGroup | None:
         """Flags, else HKSERVE_COORDINATOR / HKSERVE_NUM_HOSTS / HKSERVE_HOST_ID / HKSERVE_HOSTS_MESH /
         HKSERVE_CONTROL_PORT / HKSERVE_CONTROL_BIND, and the shared secret (control.load_secret). None when
         this is a single-host server."""
         env = os.environ.get
-        coordinator = getattr(args, "coordinator", None) or env("HKSERVE_COORDINATOR")
-        num_hosts = int(getattr(args, "num_hosts", None) or env("HKSERVE_NUM_HOSTS") or 1)
+        coordinator = flags.coordinator or env("HKSERVE_COORDINATOR")
+        num_hosts = int(flags.num_hosts or env("HKSERVE_NUM_HOSTS") or 1)
         if coordinator is None and num_hosts == 1:
             return None
-        host_id = getattr(args, "host_id", None)
-        host_id = int(host_id if host_id is not None else env("HKSERVE_HOST_ID", "-1"))
+        host_id = int(flags.host_id if flags.host_id is not None else env("HKSERVE_HOST_ID", "-1"))
         if coordinator is None or ":" not in coordinator:
             raise ValueError(f"--coordinator must be HOST:PORT of host 0, got {coordinator!r}")
         if num_hosts < 1 or not 0 <= host_id < num_hosts:
             raise ValueError(f"--host-id must be in 0..{num_hosts - 1} (--num-hosts {num_hosts}), got {host_id}")
         port = int(coordinator.rsplit(":", 1)[1])
-        hosts_mesh = getattr(args, "hosts_mesh", None) or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
+        hosts_mesh = flags.hosts_mesh or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
         control = int(env("HKSERVE_CONTROL_PORT") or port + 1)
         bind = env("HKSERVE_CONTROL_BIND") or coordinator.rsplit(":", 1)[0]
         group = cls(coordinator, num_hosts, host_id, hosts_mesh, control, bind, load_secret())
