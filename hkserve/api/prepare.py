@@ -17,7 +17,7 @@ from hkserve.api.protocol import APIError, SamplingFields, domain_error, parse_b
 from hkserve.api.structured import FieldError, output_spec
 from hkserve.api.tools import Tools
 from hkserve.engine.constrained import Grammar, GrammarError, GrammarSpec
-from hkserve.engine.state import ContextLengthError, check_context
+from hkserve.engine.state import ContextLengthError, check_context, check_max_tokens
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
 
@@ -75,9 +75,18 @@ def check_choices(ctx: ServerContext, prompts: int, n: int) -> None:
         )
 
 
-def token_limits(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None) -> list[int]:
-    """Tokens to generate per prompt: as requested, else `default` shortened to what fits (None: to the
-    end of the context). The one check of a request's max_tokens against its context (check_context)."""
+def token_limits(
+    ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None, scoring: bool = False
+) -> list[int]:
+    """Tokens to generate per prompt: as requested (0 only when `scoring`: the prompt comes back), else
+    `default` shortened to what fits (None: to the end of the context). A requested max_tokens goes
+    through the engine's own checks (check_max_tokens, check_context), here as in the runner: a 400
+    that names the field, whatever the runner."""
+    if requested is not None:
+        try:
+            check_max_tokens(requested, scoring)
+        except ValueError as e:
+            raise APIError(400, str(e), param="max_tokens") from None
     out = []
     for ids in prompts:
         if not ids:

@@ -50,6 +50,7 @@ from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
 from hkserve.engine.spec_policy import SpecCounts
+from hkserve.engine.state import check_max_tokens
 
 log = logging.getLogger("hkserve.runner")
 
@@ -124,8 +125,7 @@ class InferenceRunner(Admission):
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
-        if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
-            raise ValueError(f"max_tokens must be at least 1 (0 when scoring the prompt), got {request.max_tokens}")
+        check_max_tokens(request.max_tokens, scoring=request.prompt_logprobs is not None)
         self.engine.check_fits(len(request.prompt_ids), request.max_tokens)
         vocab = self.engine.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]

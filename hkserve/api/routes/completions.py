@@ -20,11 +20,12 @@ async def completions(request: Request, ctx: Context):
     ctx.check_model(body.model)
     prepare.check_choices(ctx, len(body.prompts()), body.n)
     prompts = await ctx.off_loop(prepare.prompt_ids, ctx, body.prompts())
-    max_tokens = prepare.token_limits(ctx, prompts, body.max_tokens, COMPLETION_MAX_TOKENS)
+    returns_prompt = body.echo or body.prompt_logprobs is not None  # max_tokens 0 is then allowed
+    max_tokens = prepare.token_limits(ctx, prompts, body.max_tokens, COMPLETION_MAX_TOKENS, returns_prompt)
+    scoring = body.prompt_scoring()
     grammar = await ctx.off_loop(prepare.compile_grammar, ctx, *prepare.structure(body))
     gen = Generation(ctx.runner, ctx.tokenizer, ctx.metrics, "completion", ctx.limits.max_stream_backlog)
     logprobs = body.logprobs or 0
-    scoring = body.prompt_scoring()
     gen.submit(prompts, body.n, max_tokens, sampling, body.stop, logprobs, body.ignore_eos, scoring, grammar)
     echo = [ctx.tokenizer.decode(p) for p in prompts] if body.echo else None
     fmt = formats.CompletionFormat(ctx.tokenizer, ctx.model_name, body, echo)
