@@ -19,6 +19,7 @@ from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine, serving_weights
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.build import build_model
 from hkserve.model.config import default_weights
@@ -110,7 +111,7 @@ def compiles():
 
 
 def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compiles_nothing(compiles):
-    engine = Engine(MODEL, PARAMS, slots=64, max_len=256, prefill_buckets=(8, 32))
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=64, max_len=256, prefill_buckets=(8, 32)))
     assert engine.windows == (128, 256) and engine.continuation_windows() == (128, 256)
     compiles.clear()
     engine.warmup()
@@ -130,7 +131,7 @@ def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compile
 
 
 def test_prefix_suffixes_of_any_length_and_window_compile_nothing_after_warmup(compiles):
-    engine = Engine(MODEL, PARAMS, slots=2, max_len=256, prefill_buckets=(8, 32), prefix_cache="on")
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32), prefix_cache="on"))
     engine.warmup()
     compiles.clear()
     prompt = np.random.default_rng(1).integers(0, 96, 250).tolist()

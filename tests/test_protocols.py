@@ -15,6 +15,7 @@ from helpers import tiny_config
 from http_helpers import FakeRunner
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.protocols import ServingEngine, ServingRunner
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
@@ -51,7 +52,7 @@ def missing(obj, protocol) -> list[str]:
 @pytest.fixture(scope="module")
 def engine():
     model = build_model(tiny_config())
-    return Engine(model, model.init(jax.random.PRNGKey(0)), slots=2, max_len=64, prefill_buckets=(16,))
+    return Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=64, prefill_buckets=(16,)))
 
 
 def test_the_protocols_name_what_the_runner_and_the_api_use():

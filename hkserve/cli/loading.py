@@ -12,6 +12,7 @@ from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
@@ -97,13 +98,15 @@ def load_engine(options: LoadOptions, slots: int, hosts=None):
     engine = Engine(
         build_model(config, kernels, None if options.layers == "auto" else options.layers),
         params,
-        slots=slots,
-        max_len=options.max_len,
+        EngineOptions(
+            slots=slots,
+            max_len=options.max_len,
+            n_top=options.max_logprobs,
+            prefill_rows=options.prefill_rows,
+            structured=True,  # structured outputs and tool calls: their split step compiles in warmup
+            prefix_cache=prefix_cache_mode(options.prefix_cache, config),
+        ),
         mesh=mesh,
-        n_top=options.max_logprobs,
-        prefill_rows=options.prefill_rows,
-        structured=True,  # structured outputs and tool calls: their split step compiles in warmup
-        prefix_cache=prefix_cache_mode(options.prefix_cache, config),
     )
     return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
 
