@@ -26,6 +26,14 @@ async def parse(ctx: ServerContext, request: Request, model_cls: type[BaseModel]
     return await ctx.off_loop(parse_body, await request.body(), model_cls)
 
 
+async def parse_generation(ctx: ServerContext, request: Request, model_cls: type[SamplingFields]):
+    """A generation request's body and its sampling settings, for the model this server serves."""
+    body = await parse(ctx, request, model_cls)
+    params = sampling(ctx, body)
+    ctx.check_model(body.model)
+    return body, params
+
+
 def encode(ctx: ServerContext, text: str, param: str, add_bos: bool | None = None) -> list[int]:
     """Tokenize a prompt, after refusing one too long to fit at any tokenization."""
     if len(text) > ctx.max_prompt_chars:

@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.state import ContextLengthError
 from hkserve.model.sampling import SamplingParams
@@ -118,7 +119,7 @@ def _call(op: str, **args) -> dict:
     return {"op": op, **args}
 
 
-class LeaderEngine:
+class LeaderEngine(ForwardsQueries):
     """Host 0's engine: the Engine's interface, each device call first sent to the followers.
 
     Calls are broadcast before they are issued locally, since a multi-host program cannot finish
@@ -126,60 +127,29 @@ class LeaderEngine:
     logit_bias) are raised identically by the followers' replay, which skips them."""
 
     def __init__(self, engine, leader: Leader):
-        self._engine, self._leader = engine, leader
+        self.inner, self._leader = engine, leader
 
     # -- host-side queries and capabilities: host 0's engine answers alone (ServingEngine) ----------
     @property
-    def slots(self) -> int:
-        return self._engine.slots
-
-    @property
-    def max_len(self) -> int:
-        return self._engine.max_len
-
-    @property
-    def n_top(self) -> int:
-        return self._engine.n_top
-
-    @property
-    def vocab_size(self) -> int:
-        return self._engine.vocab_size
-
-    @property
-    def prefix_cache(self) -> str:
-        return self._engine.prefix_cache
-
-    @property
-    def prefill_chunk(self) -> int | None:
-        return self._engine.prefill_chunk
-
-    @property
     def supports_grammars(self) -> bool:
-        return self._engine.supports_grammars
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self._engine.positions
-
-    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
-        self._engine.check_fits(prompt_len, max_tokens)
+        return self.inner.supports_grammars
 
     def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
-        return self._engine.rows_program(prompt_len)
+        return self.inner.rows_program(prompt_len)
 
     def spec_counts(self):
-        return self._engine.spec_counts()
+        return self.inner.spec_counts()
 
     def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None):
         """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
         a grammar's first mask."""
         extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
-        return self._engine.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
+        return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
-        return self._engine.score_prefill(slot, prompt_ids, settings, **_keywords(bitmask=bitmask))
+        return self.inner.score_prefill(slot, prompt_ids, settings, **_keywords(bitmask=bitmask))
 
     def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, bitmask, **extra):
         """Send a prefill call to the followers; returns the settings it carries."""
@@ -195,29 +165,29 @@ class LeaderEngine:
         ids = [[int(t) for t in p] for p in prompts]
         sets = [dataclasses.asdict(s) for s in settings]
         self._leader.broadcast(_call("prefill_many", slots=[int(s) for s in slots], ids=ids, settings=sets))
-        return self._engine.prefill_many(slots, prompts, settings)
+        return self.inner.prefill_many(slots, prompts, settings)
 
     def step(self, active):
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step", active=active.tolist()))
-        return self._engine.step(active)
+        return self.inner.step(active)
 
     def step_forward(self, active):
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step_forward", active=active.tolist()))
-        return self._engine.step_forward(active)
+        return self.inner.step_forward(active)
 
     def step_sample(self, forward, bitmask):
         self._leader.broadcast(_call("step_sample", mask=_pack_mask(bitmask)))
-        return self._engine.step_sample(forward, bitmask)
+        return self.inner.step_sample(forward, bitmask)
 
     def reset(self) -> None:
         self._leader.broadcast(_call("reset"))
-        self._engine.reset()
+        self.inner.reset()
 
     def warmup(self) -> None:
         self._leader.broadcast(_call("warmup"))
-        self._engine.warmup()
+        self.inner.warmup()
 
     def close(self) -> None:
         """Tell the followers to exit cleanly, then close the channel."""

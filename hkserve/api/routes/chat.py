@@ -18,9 +18,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, ctx: Context):
-    body = await prepare.parse(ctx, request, ChatRequest)
-    sampling = prepare.sampling(ctx, body)
-    ctx.check_model(body.model)
+    body, sampling = await prepare.parse_generation(ctx, request, ChatRequest)
     prepare.check_choices(ctx, 1, body.n)
     try:
         tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)

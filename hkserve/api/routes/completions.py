@@ -15,9 +15,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(request: Request, ctx: Context):
-    body = await prepare.parse(ctx, request, CompletionRequest)
-    sampling = prepare.sampling(ctx, body)
-    ctx.check_model(body.model)
+    body, sampling = await prepare.parse_generation(ctx, request, CompletionRequest)
     prepare.check_choices(ctx, len(body.prompts()), body.n)
     prompts = await ctx.off_loop(prepare.prompt_ids, ctx, body.prompts())
     returns_prompt = body.echo or body.prompt_logprobs is not None  # max_tokens 0 is then allowed
