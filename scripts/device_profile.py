@@ -30,6 +30,7 @@ import numpy as np
 from hkserve.bench.engine import decode_seconds
 from hkserve.bench.random_models import random_config, random_params
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.model.build import build_model
 from hkserve.model.config import WEIGHTS
 from hkserve.model.sampling import SamplingParams
@@ -105,7 +106,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     report = {"model": f"random:{args.random}", "device": str(jax.devices()[0].device_kind), "slots": {}}
     for slots in [int(s) for s in args.slots.split(",")]:
-        engine = Engine(model, params, slots=slots, max_len=args.max_len)
+        engine = Engine(model, params, EngineOptions(slots=slots, max_len=args.max_len))
         prompts = rng.integers(0, config.vocab_size, (slots, 32))
         step_times(engine, prompts, args.steps)  # compiles the prefill and the windows the steps reach
         entry = {"ms_per_step": step_times(engine, prompts, args.steps)}

@@ -2,8 +2,10 @@
 mock engine), so runner tests know every token by hand and run in microseconds.
 
 The "model": a slot's next token is (its last token + 1) % vocab_size, starting from the prompt's
-last token; every token has logprob 0 and itself as the only alternative. Like the real Engine it
-keeps a host mirror of each slot's length and raises ContextLengthError when stepping a full slot.
+last token (under a grammar's bitmask: the first allowed token from there on); every token has
+logprob 0 and itself as the only alternative, and a scored prompt token has logprob 0 and rank 1.
+Like the real Engine it keeps a host mirror of each slot's length and raises ContextLengthError when
+stepping a full slot. It is a ServingEngine (hkserve/engine/protocols.py; tests/test_protocols.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hkserve.engine.outputs import Token
+from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.requests import Event, RequestStream
 from hkserve.engine.state import ContextLengthError
 
@@ -57,6 +59,9 @@ class FakeEngine:
     strict_fits: bool = True
     gate: threading.Event | None = None
     prefill_rows: int = 0  # > 0: prompts of at most 8 tokens are prefilled this many per prefill_many call
+    prefix_cache: str = "off"
+    prefill_chunk: int | None = None
+    supports_grammars: bool = True
     stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
@@ -74,12 +79,29 @@ class FakeEngine:
         if needed > self.max_len:
             raise ContextLengthError(f"the context is {self.max_len} tokens; the request needs {needed}")
 
-    def prefill(self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, reuse=None) -> FakePending:
+    def prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, reuse=None, bitmask=None
+    ) -> FakePending:
         self.check_fits(len(prompt_ids))
         self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()))
-        self.last[slot] = (prompt_ids[-1] + 1) % self.vocab_size
+        self.last[slot] = self._allowed((prompt_ids[-1] + 1) % self.vocab_size, bitmask, 0)
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])
+
+    def score_prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, bitmask=None
+    ) -> tuple[FakePending, FakePending]:
+        pending = self.prefill(slot, prompt_ids, settings, bitmask=bitmask)
+        return pending, FakePending([ScoredToken(t, 0.0, [(t, 0.0)], 1) for t in prompt_ids])
+
+    def _allowed(self, wanted: int, bitmask, row: int) -> int:
+        """`wanted`, or the first token after it that row `row` of the bitmask [B, W] allows."""
+        if bitmask is None:
+            return wanted
+        bits = np.unpackbits(np.asarray(bitmask, np.int32)[row].view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocab_size])
+        later = allowed[allowed >= wanted]
+        return int(later[0] if later.size else allowed[0])
 
     def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
         return (8, self.prefill_rows) if self.prefill_rows and prompt_len <= 8 else None
@@ -104,6 +126,19 @@ class FakeEngine:
             self.last[i] = (self.last[i] + 1) % self.vocab_size
         self.positions += active
         return FakePending([token(t) for t in self.last])  # idle rows repeat their last token: junk
+
+    def step_forward(self, active: np.ndarray) -> np.ndarray:
+        """The model half of a constrained step: nothing to compute here, the active rows are its "logits"."""
+        return np.asarray(active, bool)
+
+    def step_sample(self, forward: np.ndarray, bitmask: np.ndarray) -> FakePending:
+        self.step(forward)
+        for i in np.flatnonzero(forward):
+            self.last[i] = self._allowed(self.last[i], bitmask, i)
+        return FakePending([token(t) for t in self.last])
+
+    def spec_counts(self) -> None:
+        return None
 
     def reset(self) -> None:
         self.calls.append(("reset",))

@@ -13,6 +13,7 @@ from sharded_worker import greedy, mesh_for, prompt_logits
 
 from hkserve.checkpoint.hf import load_hf
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.sharding import param_shardings
@@ -31,7 +32,7 @@ def main(directory: str, out: str) -> None:
     for name in MESHES:
         mesh = mesh_for(name)
         params = jax.device_put(host_params, param_shardings(param_shapes(config), mesh, config))
-        engine = Engine(model, params, slots=2, max_len=32, prefill_buckets=(8,), mesh=mesh)
+        engine = Engine(model, params, EngineOptions(slots=2, max_len=32, prefill_buckets=(8,)), mesh=mesh)
         runner = InferenceRunner(engine).start(warmup=False)
         try:
             tokens = greedy(runner, [ref["greedy_prompt"]], len(ref["greedy_ids"]))

@@ -44,7 +44,11 @@ class FakeRunner:
 
     It honours max_tokens, stop ids (the script ends with EOS), cancel and a bounded queue, and
     records what happened, so HTTP behaviour can be checked without a model. With held=True no token
-    comes until the test sets `go`; `wait_until` waits for a change of its state, without polling."""
+    comes until the test sets `go`; `wait_until` waits for a change of its state, without polling.
+    A ServingRunner (hkserve/engine/protocols.py; tests/test_protocols.py) with no model of its own:
+    grammar masks as wide as the tokenizer's vocabulary, none filled, no speculation."""
+
+    vocab_size = None
 
     def __init__(
         self, script: list[int], delay: float = 0.0, max_queue: int = 100, ready: bool = True, held: bool = False
@@ -107,6 +111,12 @@ class FakeRunner:
 
     def stats(self) -> RunnerStats:
         return RunnerStats(4, len(self.running), 0)
+
+    def spec_counts(self) -> None:
+        return None
+
+    def observe_masks(self, observe) -> None:
+        """No grammar masks are filled here: `observe` is never called."""
 
 
 def _nullable_to_anyof(node):

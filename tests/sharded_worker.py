@@ -11,6 +11,7 @@ import numpy as np
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
@@ -95,7 +96,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             params = store.params(info.name, shardings)  # restored straight onto the mesh
             for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
                 assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
-        engine = Engine(model, params, slots=8, max_len=256, prefill_buckets=(16, 32, 64), mesh=mesh)
+        engine = Engine(model, params, EngineOptions(slots=8, max_len=256, prefill_buckets=(16, 32, 64)), mesh=mesh)
         runner = InferenceRunner(engine).start(warmup=False)
         try:
             tokens = greedy(runner, prompts, max_tokens, stop_ids)

@@ -18,6 +18,7 @@ from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner, RunnerStats
 from hkserve.model.build import build_model
 
@@ -71,7 +72,9 @@ class WatchedRunner(InferenceRunner):
 @pytest.fixture(scope="module")
 def engine(smollm2) -> SteppedEngine:
     model = build_model(tiny_config(vocab_size=smollm2[2].vocab_size))
-    return SteppedEngine(model, model.init(jax.random.PRNGKey(0)), slots=2, max_len=256, prefill_buckets=(16,))
+    return SteppedEngine(
+        model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=256, prefill_buckets=(16,))
+    )
 
 
 @pytest.fixture

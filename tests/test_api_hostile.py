@@ -19,6 +19,7 @@ from http_helpers import FakeRunner, LiveServer, validate
 from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -270,7 +271,7 @@ def test_a_client_that_never_reads_its_stream_is_cancelled(serve, tokenizer, lim
 def test_a_request_needing_more_choices_than_the_queue_is_400_and_a_refused_one_releases_its_choices(serve):
     config = tiny_config(vocab_size=96)
     model = build_model(config)
-    engine = Engine(model, model.init(jax.random.PRNGKey(0)), slots=1, max_len=64, prefill_buckets=(8,))
+    engine = Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=1, max_len=64, prefill_buckets=(8,)))
     runner = InferenceRunner(engine, max_queue=4)  # never started: whatever is queued stays queued
     runner.ready.set()
     server, _ = serve(runner)

@@ -13,6 +13,7 @@ from http_helpers import LiveServer, sse_events, validate
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 
@@ -22,7 +23,9 @@ NAME = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def live(smollm2):
     _, info, tokenizer, params = smollm2
-    engine = Engine(build_model(info.config), params, slots=8, max_len=512, prefill_buckets=(16, 64), n_top=5)
+    engine = Engine(
+        build_model(info.config), params, EngineOptions(slots=8, max_len=512, prefill_buckets=(16, 64), n_top=5)
+    )
     runner = InferenceRunner(engine, max_queue=128).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -21,6 +21,7 @@ from hkserve.api.tools import ToolCallParser, parse_tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec, full_bitmask
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -147,7 +148,7 @@ def tiny_runner(request):
     config = tiny_config(vocab_size=300)
     model = build_model(config)
     params = model.init(jax.random.PRNGKey(3))
-    engine = Engine(model, params, slots=4, max_len=64, prefill_buckets=(8,), split_masks=request.param)
+    engine = Engine(model, params, EngineOptions(slots=4, max_len=64, prefill_buckets=(8,), split_masks=request.param))
     runner = InferenceRunner(engine)  # driven by the test: iterate() in this thread
     yield runner
 

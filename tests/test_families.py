@@ -12,6 +12,7 @@ from family_fixtures import HF, fixture, full_logits, jitted_forward, reference
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model, param_shapes
@@ -40,7 +41,9 @@ def full_and_cached_logits(model, params, ids: np.ndarray) -> tuple[np.ndarray, 
 
 
 def engine_greedy(model, params, prompt: list[int], n: int) -> list[int]:
-    runner = InferenceRunner(Engine(model, params, slots=1, max_len=32, prefill_buckets=(8,))).start(warmup=False)
+    runner = InferenceRunner(Engine(model, params, EngineOptions(slots=1, max_len=32, prefill_buckets=(8,)))).start(
+        warmup=False
+    )
     try:
         return [t.id for t in runner.generate(Request(prompt, n))]
     finally:

@@ -11,6 +11,7 @@ from family_fixtures import GGUF, fixture, full_logits, reference
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -51,7 +52,9 @@ def test_converted_gguf_matches_reference_and_generates_text(store, name):
     assert (tokenizer.bos_id, tokenizer.eos_id) == SPECIALS.get(name, (1, 2))
     prompt = tokenizer.encode("the quick brown fox")
     assert len(prompt) > 2 and (tokenizer.bos_id is None or prompt[0] == tokenizer.bos_id)
-    runner = InferenceRunner(Engine(model, params, slots=1, max_len=32, prefill_buckets=(16,))).start(warmup=False)
+    runner = InferenceRunner(Engine(model, params, EngineOptions(slots=1, max_len=32, prefill_buckets=(16,)))).start(
+        warmup=False
+    )
     try:
         out = [t.id for t in runner.generate(Request(prompt, 6, stop_ids=tokenizer.stop_ids))]
     finally:

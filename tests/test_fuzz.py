@@ -17,6 +17,7 @@ from hypothesis_jsonschema import from_schema
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 
@@ -222,7 +223,9 @@ def test_fuzzed_requests_against_a_fake_runner(smollm2, bodies):
 
 def test_fuzzed_requests_against_smollm2_then_a_golden_chat(smollm2, bodies, golden):
     _, info, tokenizer, params = smollm2
-    engine = Engine(build_model(info.config), params, slots=4, max_len=128, prefill_buckets=(16, 64), n_top=5)
+    engine = Engine(
+        build_model(info.config), params, EngineOptions(slots=4, max_len=128, prefill_buckets=(16, 64), n_top=5)
+    )
     runner = InferenceRunner(engine, max_queue=32).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, "smollm2", engine.max_len))
     try:

@@ -4,7 +4,6 @@ everything many slots and long prompts need, once."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -18,8 +17,9 @@ from helpers import tiny_config, tiny_vq_config
 from hkserve.bench.random_models import RANDOM_CONFIGS, random_config, random_params
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
-from hkserve.cli.loading import load_engine, serving_weights
+from hkserve.cli.loading import LoadOptions, load_engine, serving_weights
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.build import build_model
 from hkserve.model.config import default_weights
@@ -63,16 +63,16 @@ def test_load_engine_serves_the_backends_default_and_vq_models_their_stored_weig
     assert serving_weights(store, "kv", None) == "bf16"
     assert serving_weights(store, "kv", "f32") == "f32"
     assert serving_weights(store, "vq", None) is None
-    engine = load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64), slots=2)
+    engine = load_engine(LoadOptions(model="kv", max_len=64), slots=2)
     assert engine.model.config.dtype == "bfloat16"
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
     assert engine.state.memory.k.dtype == jnp.bfloat16  # the KV memory follows the weights
     assert "decoder/layer_0/mlp/up_proj" in engine.params  # the layer loop's per-layer weights (layer_loop.py)
     assert not any(module.startswith("decoder/layers/") for module in engine.params)
-    scan = load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64, layers="scan"), slots=2)
+    scan = load_engine(LoadOptions(model="kv", max_len=64, layers="scan"), slots=2)
     assert "decoder/layers/mlp/up_proj" in scan.params and "decoder/layer_0/mlp/up_proj" not in scan.params
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert load_engine(argparse.Namespace(model="kv", mesh=None, max_len=64), slots=2).model.config.dtype == "float32"
+    assert load_engine(LoadOptions(model="kv", max_len=64), slots=2).model.config.dtype == "float32"
 
 
 def test_variants_are_made_from_a_bfloat16_master_too():
@@ -111,7 +111,7 @@ def compiles():
 
 
 def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compiles_nothing(compiles):
-    engine = Engine(MODEL, PARAMS, slots=64, max_len=256, prefill_buckets=(8, 32))
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=64, max_len=256, prefill_buckets=(8, 32)))
     assert engine.windows == (128, 256) and engine.continuation_windows() == (128, 256)
     compiles.clear()
     engine.warmup()
@@ -131,7 +131,7 @@ def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compile
 
 
 def test_prefix_suffixes_of_any_length_and_window_compile_nothing_after_warmup(compiles):
-    engine = Engine(MODEL, PARAMS, slots=2, max_len=256, prefill_buckets=(8, 32), prefix_cache="on")
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32), prefix_cache="on"))
     engine.warmup()
     compiles.clear()
     prompt = np.random.default_rng(1).integers(0, 96, 250).tolist()

@@ -13,6 +13,7 @@ from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -32,7 +33,7 @@ def test_imported_logits_and_greedy_continuation_match_transformers(name):
     logits, _ = jax.jit(model.forward)(params, ids, memory, np.full(ids.shape[0], ids.shape[1], np.int32))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference["logits"]), atol=1e-4, rtol=0)
 
-    runner = InferenceRunner(Engine(model, params, slots=1, max_len=64)).start(warmup=False)
+    runner = InferenceRunner(Engine(model, params, EngineOptions(slots=1, max_len=64))).start(warmup=False)
     try:
         greedy = [t.id for t in runner.generate(Request(reference["greedy_prompt"], len(reference["greedy_ids"])))]
     finally:

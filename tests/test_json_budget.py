@@ -15,6 +15,7 @@ from helpers import tiny_config
 from hkserve.engine.constrained import JSON_OPTIONS, GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
 from hkserve.engine.json_budget import LOST, State, closing, feed, growth_bound, need
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -72,7 +73,7 @@ def test_the_tracker_loses_text_the_grammar_would_refuse():
 @pytest.fixture(scope="module")
 def tiny_runner():
     model = build_model(tiny_config(vocab_size=300))
-    engine = Engine(model, model.init(jax.random.PRNGKey(5)), slots=4, max_len=64, prefill_buckets=(8,))
+    engine = Engine(model, model.init(jax.random.PRNGKey(5)), EngineOptions(slots=4, max_len=64, prefill_buckets=(8,)))
     return InferenceRunner(engine)  # driven by the test: iterate() in this thread
 
 

@@ -17,6 +17,7 @@ from helpers import tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch, ffi, pack
@@ -217,7 +218,7 @@ def test_packed_model_equals_the_xla_int8_model(isa):
 def test_a_request_is_bit_identical_alone_or_among_others_with_kernels(kernels):
     config, params = int8_model()
     spec = dispatch.resolve(kernels, config.dtype)
-    engine = Engine(build_model(config, spec), params, slots=4, max_len=128, prefill_buckets=(16,))
+    engine = Engine(build_model(config, spec), params, EngineOptions(slots=4, max_len=128, prefill_buckets=(16,)))
     runner = InferenceRunner(engine).start(warmup=False)
     try:
         greedy = Request([5, 17, 33, 2, 64, 9, 11], 16)
@@ -253,7 +254,9 @@ def test_smollm2_int8_kernels_perplexity_within_1_percent_of_float32_and_greedy_
     print(f"int8 + w8a32: perplexity {ppl32:.4f}")
     assert abs(ppl / ppl32 - 1) < 1e-3  # int16 activations: the float32 activations' quality (4.4835 vs 4.4836)
 
-    runner = InferenceRunner(Engine(build_model(config, spec), params, slots=4, max_len=128)).start(warmup=False)
+    runner = InferenceRunner(Engine(build_model(config, spec), params, EngineOptions(slots=4, max_len=128))).start(
+        warmup=False
+    )
     try:
         matched, total = 0, 0
         for c in golden["cases"]:

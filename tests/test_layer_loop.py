@@ -14,6 +14,7 @@ from test_families import TOL, engine_greedy, full_and_cached_logits
 
 from hkserve.checkpoint.hf import load_hf
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.model import layer_loop
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.sharding import param_specs, parse_mesh
@@ -42,7 +43,9 @@ def test_engine_holds_one_array_per_layer_and_decodes_as_the_scan():
     config = tiny_config(vocab_size=96)
     scan = build_model(config, layers="scan")
     params = scan.init(jax.random.PRNGKey(3))
-    engine = Engine(build_model(config, layers="loop"), params, slots=2, max_len=64, prefill_buckets=(16,))
+    engine = Engine(
+        build_model(config, layers="loop"), params, EngineOptions(slots=2, max_len=64, prefill_buckets=(16,))
+    )
     held = engine.params
     assert not any(m.startswith("decoder/layers/") for m in held)
     gate = [held[f"decoder/layer_{i}/mlp/gate_proj"]["w"] for i in range(config.n_layers)]

@@ -11,6 +11,7 @@ import pytest
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -102,7 +103,9 @@ def test_chunked_prefill_over_three_buckets_equals_full_recompute():
     model = build_model(config)
     params = model.init(jax.random.PRNGKey(4))
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()  # 16 + 16 + 8
-    runner = InferenceRunner(Engine(model, params, slots=2, max_len=128, prefill_buckets=(8, 16))).start(warmup=False)
+    runner = InferenceRunner(Engine(model, params, EngineOptions(slots=2, max_len=128, prefill_buckets=(8, 16)))).start(
+        warmup=False
+    )
     try:
         got = [t.id for t in runner.generate(Request(prompt, 8))]
     finally:

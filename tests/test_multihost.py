@@ -213,7 +213,7 @@ def test_killing_host_1_mid_stream_errors_the_client_and_host_0_exits_naming_it(
 
 
 def test_host_group_from_flags_and_environment(monkeypatch):
-    from hkserve.multihost.hosts import HostGroup
+    from hkserve.multihost.hosts import HostFlags, HostGroup
 
     args = types.SimpleNamespace(coordinator=None, num_hosts=None, host_id=None, hosts_mesh=None)
     for var in (
@@ -227,18 +227,21 @@ def test_host_group_from_flags_and_environment(monkeypatch):
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HKSERVE_CONTROL_SECRET", "s" * 32)
-    assert HostGroup.from_args(args) is None  # one host
+    assert HostGroup.from_flags(HostFlags(**vars(args))) is None  # one host
     monkeypatch.setenv("HKSERVE_COORDINATOR", "10.0.0.1:7000")
     monkeypatch.setenv("HKSERVE_NUM_HOSTS", "4")
     monkeypatch.setenv("HKSERVE_HOST_ID", "3")
-    group = HostGroup.from_args(args)
+    group = HostGroup.from_flags(HostFlags(**vars(args)))
     assert (group.leader_host, group.control_port, group.hosts_shape) == ("10.0.0.1", 7001, (4, 1))
     assert (group.control_bind, group.secret) == ("10.0.0.1", b"s" * 32)  # the coordinator's interface only
     args.hosts_mesh, args.host_id = "2x2", 0
-    assert HostGroup.from_args(args).hosts_shape == (2, 2) and HostGroup.from_args(args).host_id == 0
+    assert (
+        HostGroup.from_flags(HostFlags(**vars(args))).hosts_shape == (2, 2)
+        and HostGroup.from_flags(HostFlags(**vars(args))).host_id == 0
+    )
     args.hosts_mesh = "3x1"
     with pytest.raises(ValueError, match="needs 3 hosts"):
-        HostGroup.from_args(args)
+        HostGroup.from_flags(HostFlags(**vars(args)))
     args.hosts_mesh, args.host_id = None, 4
     with pytest.raises(ValueError, match="host-id must be in 0..3"):
-        HostGroup.from_args(args)
+        HostGroup.from_flags(HostFlags(**vars(args)))

@@ -15,6 +15,7 @@ from fake_engine import FakeEngine, events, token_ids
 from helpers import tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import PrefixCache, Reuse
 from hkserve.engine.prefix_copy import plan_chunks
 from hkserve.engine.requests import Request
@@ -98,7 +99,9 @@ def test_chunk_plans():
 # -- the engine -----------------------------------------------------------------------------------------
 def engine(mode: str, slots: int = 3, max_len: int = 256) -> Engine:
     # up to 128: an uncached prompt of 129..256 tokens is one 128 chunk and a short suffix a small one
-    return Engine(MODEL, PARAMS, slots=slots, max_len=max_len, prefill_buckets=(8, 32, 128), prefix_cache=mode)
+    return Engine(
+        MODEL, PARAMS, EngineOptions(slots=slots, max_len=max_len, prefill_buckets=(8, 32, 128), prefix_cache=mode)
+    )
 
 
 def run(e: Engine, slot: int, ids, reuse=None, n: int = 8, others=()) -> tuple[list[int], list[float]]:
@@ -163,7 +166,7 @@ def test_max_len_edges_prefix_and_suffix_at_the_context_limit(exact_engine, on_e
 
 def test_a_vq_model_refuses_prefix_caching():
     with pytest.raises(ValueError, match="VQ memory is a compressed state"):
-        Engine(build_model(tiny_vq_config()), None, slots=1, max_len=64, prefix_cache="on")
+        Engine(build_model(tiny_vq_config()), None, EngineOptions(slots=1, max_len=64, prefix_cache="on"))
 
 
 # -- the runner -----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import DEFAULT_MODE, PrefixCache
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
@@ -28,7 +29,7 @@ SYSTEM = "You are a helpful assistant for a bicycle shop. " + " ".join(
 @pytest.fixture(scope="module")
 def runner(smollm2):
     _, info, _, params = smollm2
-    engine = Engine(build_model(info.config), params, slots=4, max_len=512, prefix_cache=DEFAULT_MODE)
+    engine = Engine(build_model(info.config), params, EngineOptions(slots=4, max_len=512, prefix_cache=DEFAULT_MODE))
     runner = InferenceRunner(engine, max_queue=64).start(warmup=False)
     yield runner
     runner.stop()

@@ -13,6 +13,7 @@ import pytest
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Overloaded, Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.state import ContextLengthError
@@ -29,7 +30,9 @@ PROMPT = [5, 17, 33, 2, 64, 9, 11]
 @pytest.fixture(scope="module")
 def runner():
     # attention windows 128/256 (the context is 256): batch mates change the window a request sees
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=4, max_len=512, prefill_buckets=(8, 16, 32)), max_queue=256)
+    runner = InferenceRunner(
+        Engine(MODEL, PARAMS, EngineOptions(slots=4, max_len=512, prefill_buckets=(8, 16, 32))), max_queue=256
+    )
     runner.start()
     yield runner
     runner.stop()
@@ -197,7 +200,9 @@ def fail_prefill_of(engine, prompt, when):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_request_failing_at_prefill_fails_only_itself(when):
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner = InferenceRunner(
+        Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=64, prefill_buckets=(8,))), max_queue=8
+    )
     runner.start(warmup=False)
     try:
         expected = [ids(runner.generate(Request(p, n))) for p, n in ((PROMPT, 40), (PROMPT[2:], 12))]
@@ -217,7 +222,9 @@ def test_a_request_failing_at_prefill_fails_only_itself(when):
 def test_a_request_submitted_as_its_predecessor_fails_is_served_after_the_reset():
     """A client that resubmits the moment its request fails (here: on the loop thread, inside that
     failure's handling, so the order is fixed) gets its new request served, not failed with the rest."""
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner = InferenceRunner(
+        Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=64, prefill_buckets=(8,))), max_queue=8
+    )
     runner.start(warmup=False)
     try:
         expected = ids(runner.generate(Request(PROMPT, 12)))
@@ -244,7 +251,9 @@ def test_a_request_submitted_as_its_predecessor_fails_is_served_after_the_reset(
 
 
 def test_a_prefill_that_loses_the_decode_state_fails_all_then_the_runner_recovers():
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8,)), max_queue=8)
+    runner = InferenceRunner(
+        Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=64, prefill_buckets=(8,))), max_queue=8
+    )
     runner.start(warmup=False)
     try:
         expected = ids(runner.generate(Request(PROMPT, 12)))
@@ -262,7 +271,9 @@ def test_a_prefill_that_loses_the_decode_state_fails_all_then_the_runner_recover
 
 
 def test_cancelling_a_waiting_request_frees_its_queue_place_at_once():
-    runner = InferenceRunner(Engine(MODEL, PARAMS, slots=1, max_len=64, prefill_buckets=(8,)), max_queue=2)
+    runner = InferenceRunner(
+        Engine(MODEL, PARAMS, EngineOptions(slots=1, max_len=64, prefill_buckets=(8,))), max_queue=2
+    )
     first, second = runner.submit(Request(PROMPT, 4)), runner.submit(Request(PROMPT, 4))  # not started
     runner.cancel(second.request.id)
     assert list(second)[-1].finish_reason == "cancelled"
@@ -279,7 +290,7 @@ def test_cancelling_a_waiting_request_frees_its_queue_place_at_once():
 def test_batched_prefill_keeps_batch_invariance():
     """Short prompts admitted together share one rows program call; each request's tokens are those
     it gets alone (one padded row in the same program), whatever its batch mates' prompts and settings."""
-    engine = Engine(MODEL, PARAMS, slots=5, max_len=64, prefill_buckets=(8, 16), prefill_rows=4)
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=5, max_len=64, prefill_buckets=(8, 16), prefill_rows=4))
     assert (engine.rows_program(7), engine.rows_program(9), engine.rows_program(17)) == ((8, 4), (16, 2), None)
     rows_per_call = []
     real = engine.prefill_many

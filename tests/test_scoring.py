@@ -12,6 +12,7 @@ from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -37,7 +38,7 @@ def reference_logprobs(model, params, prompt: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8, 16), n_top=4)
+    return Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=64, prefill_buckets=(8, 16), n_top=4))
 
 
 def test_scoring_prefill_equals_the_log_softmax_at_every_prompt_position(engine):
@@ -56,7 +57,7 @@ def test_scoring_prefill_equals_the_log_softmax_at_every_prompt_position(engine)
 
 
 def test_plain_prefill_compiles_and_runs_no_scoring(engine):
-    fresh = Engine(MODEL, PARAMS, slots=2, max_len=64, prefill_buckets=(8, 16), n_top=4)
+    fresh = Engine(MODEL, PARAMS, EngineOptions(slots=2, max_len=64, prefill_buckets=(8, 16), n_top=4))
     fresh.prefill(0, LONG_PROMPT)
     assert {kind for kind, _ in fresh._compiled} == {"prefill"}
 
@@ -93,7 +94,7 @@ def live(smollm2):
     _, info, tokenizer, params = smollm2
     model = build_model(info.config)
     # buckets (8, 16): the golden chat prompt (37 tokens) is scored over three chunks
-    engine = Engine(model, params, slots=4, max_len=256, prefill_buckets=(8, 16), n_top=5)
+    engine = Engine(model, params, EngineOptions(slots=4, max_len=256, prefill_buckets=(8, 16), n_top=5))
     runner = InferenceRunner(engine).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -8,6 +8,7 @@ import pytest
 from helpers import hkserve
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -19,7 +20,9 @@ LOGPROB_TOL = 2e-3
 @pytest.fixture(scope="module")
 def runner(smollm2):
     _, info, _, params = smollm2
-    runner = InferenceRunner(Engine(build_model(info.config), params, slots=1, max_len=512)).start(warmup=False)
+    runner = InferenceRunner(Engine(build_model(info.config), params, EngineOptions(slots=1, max_len=512))).start(
+        warmup=False
+    )
     yield runner
     runner.stop()
 
@@ -89,7 +92,8 @@ def test_200_requests_with_random_cancels_end_once_and_leave_no_slot_behind(smol
 
     _, info, tokenizer, params = smollm2
     runner = InferenceRunner(
-        Engine(build_model(info.config), params, slots=4, max_len=256, prefill_buckets=(16, 64)), max_queue=256
+        Engine(build_model(info.config), params, EngineOptions(slots=4, max_len=256, prefill_buckets=(16, 64))),
+        max_queue=256,
     ).start(warmup=False)
     rng = random.Random(1)
     try:

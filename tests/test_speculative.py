@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from hkserve.api.spec_metrics import register
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig, SpecPolicy
@@ -94,7 +95,9 @@ def test_policy_turns_a_slot_off_when_it_does_not_pay_and_probes_again_later():
 def tiny():
     config = tiny_config()
     model = build_model(config)
-    engine = Engine(model, model.init(jax.random.PRNGKey(0)), slots=2, max_len=96, prefill_buckets=(16, 64))
+    engine = Engine(
+        model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=96, prefill_buckets=(16, 64))
+    )
     # Always drafting (min_tokens 0): the random model accepts little, and the test is the rule.
     return engine, SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0, max_batch=2))
 
@@ -145,7 +148,7 @@ def test_a_vq_memory_is_refused():
     config = tiny_vq_config()
     model = build_model(config)
     with pytest.raises(ValueError, match="KV memory"):
-        SpeculativeEngine(Engine(model, model.init(jax.random.PRNGKey(0)), slots=1, max_len=64))
+        SpeculativeEngine(Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=1, max_len=64)))
 
 
 def test_metrics_report_drafted_and_accepted_tokens(tiny):

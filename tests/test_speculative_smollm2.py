@@ -10,6 +10,7 @@ import pytest
 
 from hkserve.engine.completion import Completion
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
@@ -57,7 +58,7 @@ pytestmark = pytest.mark.timeout(1800)
 @pytest.fixture(scope="module")
 def engines(smollm2):
     _, info, tokenizer, params = smollm2
-    plain = Engine(build_model(info.config), params, slots=4, max_len=256, prefill_buckets=(64, 128))
+    plain = Engine(build_model(info.config), params, EngineOptions(slots=4, max_len=256, prefill_buckets=(64, 128)))
     return tokenizer, plain, SpeculativeEngine(plain, SpecConfig(k=4))
 
 

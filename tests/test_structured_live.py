@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 
@@ -57,7 +58,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def live(smollm2):
     _, info, tokenizer, params = smollm2
-    engine = Engine(build_model(info.config), params, slots=16, max_len=640, prefill_buckets=(64, 512))
+    engine = Engine(build_model(info.config), params, EngineOptions(slots=16, max_len=640, prefill_buckets=(64, 512)))
     runner = InferenceRunner(engine, max_queue=256).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)

@@ -27,6 +27,7 @@ from train_helpers import read_metrics, write_run
 from hkserve.api.app import create_app
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.vq_model import serving_params
@@ -164,7 +165,9 @@ def test_the_exported_vq_model_streams_over_http_like_a_kv_model(vq_run, tmp_pat
     store = ModelStore(tmp_path)
     export_model(session, state, "tiny-vq", store)
     config = store.config("tiny-vq")
-    engine = Engine(build_model(config), store.params("tiny-vq"), slots=2, max_len=256, prefill_buckets=(16,))
+    engine = Engine(
+        build_model(config), store.params("tiny-vq"), EngineOptions(slots=2, max_len=256, prefill_buckets=(16,))
+    )
     runner = InferenceRunner(engine).start(warmup=False)
     server = LiveServer(create_app(runner, store.tokenizer("tiny-vq"), "tiny-vq", engine.max_len))
     try:

@@ -12,6 +12,7 @@ import pytest
 from helpers import tiny_vq_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -26,7 +27,7 @@ PROMPT = [5, 17, 33, 2, 64, 9, 11, 40, 3, 77]
 
 @pytest.fixture(scope="module")
 def runner():
-    engine = Engine(MODEL, PARAMS, slots=4, max_len=1024, prefill_buckets=(8, 16, 32))
+    engine = Engine(MODEL, PARAMS, EngineOptions(slots=4, max_len=1024, prefill_buckets=(8, 16, 32)))
     assert engine.windows == (1024,)  # the VQ state has no length axis: one compiled step
     runner = InferenceRunner(engine, max_queue=64)
     runner.start()

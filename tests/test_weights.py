@@ -13,6 +13,7 @@ from test_sharding import assert_meshes_agree, run_worker
 from hkserve.checkpoint.quantize import convert_params, quantize_int8
 from hkserve.cli.eval_ppl import perplexity
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -92,7 +93,9 @@ def test_variant_perplexity_within_2_percent_and_greedy_mostly_equal(variants, g
     )
     assert abs(ppl / ppl_f32 - 1) < 0.02
 
-    runner = InferenceRunner(Engine(build_model(config), params, slots=4, max_len=128)).start(warmup=False)
+    runner = InferenceRunner(Engine(build_model(config), params, EngineOptions(slots=4, max_len=128))).start(
+        warmup=False
+    )
     try:
         matched, total = 0, 0
         for case in golden["cases"]:

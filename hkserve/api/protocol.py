@@ -55,7 +55,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = None  # checked by prepare.token_limits (engine.state.check_max_tokens)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     # Sampling: types only. Ranges and defaults are SamplingParams' (None = its default), see sampling().
@@ -91,7 +91,7 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
-            if getattr(self, name, None):
+            if (self.model_extra or {}).get(name):
                 raise ValueError(f"{name} is not supported by this server (use tools)")
         return self
 
@@ -102,7 +102,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: no tokens, the prompt alone (echoed or scored)
+    max_tokens: int | None = None  # 0: no tokens, the prompt alone (echoed or scored)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: top alternatives per prompt token
@@ -114,8 +114,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported by this server")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
-        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
-            raise ValueError("max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs")
         return self
 
     def prompt_scoring(self) -> int | None:

@@ -1,20 +1,23 @@
-"""Speculative decoding's counters on /metrics, read from the engine at scrape time (an engine that
-does not speculate adds nothing)."""
+"""Speculative decoding's counters on /metrics, read from the runner at scrape time (a runner whose
+engine does not speculate adds nothing)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hkserve.engine.speculative import SpeculativeEngine
+from hkserve.engine.protocols import ServingRunner
+from hkserve.engine.spec_policy import SpecCounts
 
 
 class SpecCollector:
-    def __init__(self, engine: SpeculativeEngine):
-        self.engine = engine
+    def __init__(self, counts: Callable[[], SpecCounts]):
+        self.counts = counts
 
     def collect(self):
-        counts = self.engine.counts
+        counts = self.counts()
         yield CounterMetricFamily(
             "hkserve_spec_draft_tokens", "Draft tokens proposed by n-gram lookup", value=counts.drafted
         )
@@ -31,8 +34,7 @@ class SpecCollector:
         )
 
 
-def register(registry: CollectorRegistry, runner) -> None:
+def register(registry: CollectorRegistry, runner: ServingRunner) -> None:
     """Add the collector when the runner's engine speculates."""
-    engine = getattr(runner, "engine", None)
-    if isinstance(engine, SpeculativeEngine):
-        registry.register(SpecCollector(engine))
+    if runner.spec_counts() is not None:
+        registry.register(SpecCollector(runner.spec_counts))

@@ -29,6 +29,7 @@ from hkserve.bench.peer import WARMUP_STEPS, run_peer
 from hkserve.bench.random_models import random_config, random_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.model import layer_loop
 from hkserve.model.build import build_model
 from hkserve.model.config import WEIGHTS, default_weights
@@ -59,7 +60,7 @@ def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, re
 
     Each repeat prefills every slot afresh, so all repeats decode the same positions (and attention
     windows). A first untimed pass compiles the prefill and every window the timed steps reach."""
-    engine = Engine(model, params, slots=slots, max_len=max_len)
+    engine = Engine(model, params, EngineOptions(slots=slots, max_len=max_len))
     if prompts.shape[1] + WARMUP_STEPS + steps >= engine.max_len:
         raise ValueError(
             f"prompt {prompts.shape[1]} + {WARMUP_STEPS + steps} steps do not fit max_len {engine.max_len}"

@@ -16,6 +16,7 @@ import numpy as np
 
 from hkserve.bench.peer import WARMUP_STEPS
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
@@ -82,7 +83,7 @@ def bench_kernels(store, args, prompts: np.ndarray, slot_counts: list[int]) -> d
             label = f"{weights}/{requested if spec is not None else 'xla'}"
             model = build_model(config, spec)
             for n in slot_counts:
-                engine = Engine(model, params, slots=n, max_len=args.max_len)
+                engine = Engine(model, params, EngineOptions(slots=n, max_len=args.max_len))
                 _one_run(engine, prompts, args.steps)  # compiles the prefill and every window the steps reach
                 sides[(label, n)] = engine
     peer, note = _llama_cpp_side(args.llama_gguf, prompts[0].tolist(), args.steps, args.llama_threads)

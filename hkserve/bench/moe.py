@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.model.build import build_model
 from hkserve.model.config import grok_config
 from hkserve.model.sampling import SamplingParams
@@ -38,7 +39,7 @@ def bench_config(**changes):
 
 
 def decode_tok_s(config, params, slots: int, steps: int) -> float:
-    engine = Engine(build_model(config), params, slots=slots, max_len=256, prefill_buckets=(32,))
+    engine = Engine(build_model(config), params, EngineOptions(slots=slots, max_len=256, prefill_buckets=(32,)))
     rng = np.random.default_rng(0)
     for slot in range(slots):  # random prompts spread the routing like real text would
         engine.prefill(

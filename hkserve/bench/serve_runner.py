@@ -17,6 +17,7 @@ import numpy as np
 from hkserve.bench.clients import run_clients
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -34,7 +35,9 @@ def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int, max_
     config = store.config(model, weights)
     params = store.params(model, weights=weights)
     engine = Engine(
-        build_model(config), params, slots=slots, max_len=max_len, n_top=SERVE_N_TOP, prefill_rows=prefill_rows
+        build_model(config),
+        params,
+        EngineOptions(slots=slots, max_len=max_len, n_top=SERVE_N_TOP, prefill_rows=prefill_rows),
     )
     return InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
 

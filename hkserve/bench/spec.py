@@ -18,6 +18,7 @@ import time
 
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
@@ -137,7 +138,7 @@ def run(args) -> int:
         if name not in wanted:
             continue
         _log(f"{name}: {slots} slots, compiling ...")
-        plain = Engine(model, params, slots=slots, max_len=args.max_len, prefill_buckets=(64, 256))
+        plain = Engine(model, params, EngineOptions(slots=slots, max_len=args.max_len, prefill_buckets=(64, 256)))
         spec = SpeculativeEngine(plain, SpecConfig(k=args.k))
         spec.warmup()
         report[name] = measure(plain, spec, prompts, args, tokenizer.stop_ids, concurrent)

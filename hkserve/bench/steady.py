@@ -53,6 +53,7 @@ def _measure(args) -> dict:
     from hkserve.bench.engine import decode_seconds, load_weights
     from hkserve.bench.peer import WARMUP_STEPS
     from hkserve.engine.engine import Engine
+    from hkserve.engine.options import EngineOptions
     from hkserve.kernels.dispatch import resolve
     from hkserve.model.build import build_model
     from hkserve.model.config import default_weights
@@ -60,7 +61,7 @@ def _measure(args) -> dict:
 
     _, config, params = load_weights(args, default_weights(jax.default_backend(), args.dtype))
     model = build_model(config, resolve(args.kernels, config.dtype, config.memory))
-    engine = Engine(model, params, slots=1, max_len=args.max_len)
+    engine = Engine(model, params, EngineOptions(slots=1, max_len=args.max_len))
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len).tolist()
     active = np.ones(1, bool)
 

@@ -21,6 +21,7 @@ import numpy as np
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -115,11 +116,13 @@ def run(args) -> int:
         engine = Engine(
             build_model(config),
             params,
-            slots=slots,
-            max_len=args.max_len,
-            prefill_buckets=(64,),
-            structured=True,
-            split_masks={"auto": None, "on": True, "off": False}[args.split_masks],
+            EngineOptions(
+                slots=slots,
+                max_len=args.max_len,
+                prefill_buckets=(64,),
+                structured=True,
+                split_masks={"auto": None, "on": True, "off": False}[args.split_masks],
+            ),
         )
         runner = InferenceRunner(engine, max_queue=2 * slots)
         _log(f"{slots} slots: compiling")

@@ -7,7 +7,7 @@ import sys
 import time
 
 from hkserve.cli.generate_ids import run_generate_ids
-from hkserve.cli.loading import load_runner
+from hkserve.cli.loading import LoadOptions, load_runner
 from hkserve.engine.completion import Completion
 from hkserve.engine.requests import Request
 from hkserve.model.sampling import SamplingParams
@@ -24,7 +24,7 @@ def run_generate(args) -> int:
     if args.prompt is None:
         raise ValueError("give a PROMPT or --ids")
     started = time.perf_counter()
-    tokenizer, runner, _ = load_runner(args, slots=1)
+    tokenizer, runner, _ = load_runner(LoadOptions.from_args(args), slots=1)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])

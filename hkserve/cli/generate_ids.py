@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from hkserve.checkpoint.store import ModelStore
-from hkserve.cli.loading import load_engine
+from hkserve.cli.loading import LoadOptions, load_engine
 from hkserve.cli.token_ids import prompt_ids
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
@@ -24,7 +24,7 @@ def run_generate_ids(args) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed)
     stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
-    runner = InferenceRunner(load_engine(args, slots=1)).start(warmup=False)
+    runner = InferenceRunner(load_engine(LoadOptions.from_args(args), slots=1)).start(warmup=False)
     try:
         out = [t.id for t in runner.generate(Request(ids, args.max_tokens, sampling, stop_ids))]
     finally:

@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
 import jax
 
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
+from hkserve.engine.spec_policy import SpecConfig
 from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.config import default_weights
 from hkserve.model.sharding import param_shardings, parse_mesh
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a command loads its model: the flags `serve`, `generate` and `sample` share. A command that
+    has no such flag gets the default here (LoadOptions.from_args)."""
+
+    model: str = DEFAULT_MODEL
+    max_len: int = 2048
+    mesh: str | None = None  # DATAxMODEL; None: parse_mesh's default for the model
+    weights: str | None = None  # None: serving_weights' default
+    kernels: str = "auto"
+    layers: str = "auto"  # "scan" / "loop"; auto: build_model's choice
+    prefix_cache: str | None = None  # None: prefix_cache_mode's default for the model's memory
+    max_logprobs: int = 5
+    prefill_rows: int = 4
+    speculative: str = "off"
+    num_speculative_tokens: int = SpecConfig.k
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadOptions:
+        """The options from a command's parsed flags, read once: the fields it has no flag for keep their default."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
 
 
 def serving_weights(store: ModelStore, name: str, requested: str | None) -> str | None:
@@ -43,49 +73,49 @@ def add_prefix_cache_argument(p) -> None:
     )
 
 
-def prefix_cache_mode(args, config) -> str:
+def prefix_cache_mode(requested: str | None, config) -> str:
     """--prefix-cache as given, else the default for a KV model and "off" for a Transformer-VQ one (whose
     compressed memory cannot be reused: asking for it explicitly is refused by the Engine)."""
-    requested = getattr(args, "prefix_cache", None)
     if requested is not None:
         return requested
     return "off" if config.memory == "vq" else DEFAULT_MODE
 
 
-def load_engine(args, slots: int, hosts=None):
+def load_engine(options: LoadOptions, slots: int, hosts=None):
     """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
     (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards. Wrapped in a
     SpeculativeEngine with `--speculative ngram`."""
-    store = ModelStore()
-    if args.model == DEFAULT_MODEL and not store.exists(args.model):
-        pull(args.model, store)
-    weights = serving_weights(store, args.model, getattr(args, "weights", None))
-    config = store.config(args.model, weights)
-    mesh = hosts.mesh(args.mesh, config) if hosts else parse_mesh(args.mesh, config)
+    store, name = ModelStore(), options.model
+    if name == DEFAULT_MODEL and not store.exists(name):
+        pull(name, store)
+    weights = serving_weights(store, name, options.weights)
+    config = store.config(name, weights)
+    mesh = hosts.mesh(options.mesh, config) if hosts else parse_mesh(options.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
-    params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
-    kernels = resolve(getattr(args, "kernels", "auto"), config.dtype, config.memory, mesh.size)
-    layers = getattr(args, "layers", "auto")
+    params = store.params(name, param_shardings(param_shapes(config), mesh, config), weights)
+    kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
     engine = Engine(
-        build_model(config, kernels, None if layers == "auto" else layers),
+        build_model(config, kernels, None if options.layers == "auto" else options.layers),
         params,
-        slots=slots,
-        max_len=args.max_len,
+        EngineOptions(
+            slots=slots,
+            max_len=options.max_len,
+            n_top=options.max_logprobs,
+            prefill_rows=options.prefill_rows,
+            structured=True,  # structured outputs and tool calls: their split step compiles in warmup
+            prefix_cache=prefix_cache_mode(options.prefix_cache, config),
+        ),
         mesh=mesh,
-        n_top=getattr(args, "max_logprobs", 5),
-        prefill_rows=getattr(args, "prefill_rows", 4),
-        structured=True,  # structured outputs and tool calls: their split step compiles in warmup
-        prefix_cache=prefix_cache_mode(args, config),
     )
-    return speculative.wrap(engine, args, hosts)
+    return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
 
 
-def load_runner(args, slots: int, start: bool = True, max_queue: int = 64):
+def load_runner(options: LoadOptions, slots: int, start: bool = True, max_queue: int = 64):
     """(tokenizer, runner, context length) of the model. The runner is started without warm-up when
     `start` (one-shot use), else left for the caller."""
-    engine = load_engine(args, slots)
+    engine = load_engine(options, slots)
     runner = InferenceRunner(engine, max_queue=max_queue)
     if start:
         runner.start(warmup=False)
-    return ModelStore().tokenizer(args.model), runner, engine.max_len
+    return ModelStore().tokenizer(options.model), runner, engine.max_len

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from hkserve.api.structured import output_spec
 from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
-from hkserve.cli.loading import add_layers_argument, add_prefix_cache_argument, load_runner
+from hkserve.cli.loading import LoadOptions, add_layers_argument, add_prefix_cache_argument, load_runner
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.requests import Overloaded, Request
@@ -212,7 +212,9 @@ async def sample_file(runner, tokenizer, max_len: int, args, lines: list[str], s
 def run(args) -> int:
     lines = input_lines(Path(args.input))
     start = resume_point(Path(args.output), [line_id(i, _parse(raw)) for i, raw in enumerate(lines)])
-    tokenizer, runner, max_len = load_runner(args, slots=args.slots, start=False, max_queue=max(64, 2 * args.slots))
+    tokenizer, runner, max_len = load_runner(
+        LoadOptions.from_args(args), slots=args.slots, start=False, max_queue=max(64, 2 * args.slots)
+    )
     runner.start(warmup=True)
     try:
         stats = asyncio.run(sample_file(runner, tokenizer, max_len, args, lines, start))

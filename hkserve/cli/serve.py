@@ -11,6 +11,8 @@ the same model onto their part of the mesh and replay host 0's engine calls, wit
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import errno
 import logging
 import os
@@ -25,10 +27,10 @@ import uvicorn
 from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
-from hkserve.cli.loading import load_engine
+from hkserve.cli.loading import LoadOptions, load_engine
 from hkserve.engine.runner import InferenceRunner
 from hkserve.multihost.control import Follower, Leader
-from hkserve.multihost.hosts import HostGroup, LeaderEngine, exit_lost, follow
+from hkserve.multihost.hosts import HostFlags, HostGroup, LeaderEngine, exit_lost, follow
 
 log = logging.getLogger("hkserve.serve")
 
@@ -75,12 +77,43 @@ LIMIT_FLAGS = {  # flag: (ServerLimits field, help)
 
 
 def add_limit_arguments(group) -> None:
-    defaults = ServerLimits()
+    defaults = dataclasses.asdict(ServerLimits())
     for flag, (name, help_) in LIMIT_FLAGS.items():
-        default = getattr(defaults, name)
+        default = defaults[name]
         metavar = "SECONDS" if isinstance(default, float) else "N"
         group.add_argument(
             flag, dest=name, type=type(default), default=default, metavar=metavar, help=f"{help_} (default {default})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """`hkserve serve`'s settings, read once from its flags and the environment (HKSERVE_API_KEY; the
+    multi-host ones in HostGroup.from_flags)."""
+
+    load: LoadOptions  # the model and how it loads
+    hosts: HostFlags
+    limits: ServerLimits
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 16
+    max_queue: int = 64
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        given = vars(args)
+        return cls(
+            load=LoadOptions.from_args(args),
+            hosts=HostFlags(args.coordinator, args.num_hosts, args.host_id, args.hosts_mesh),
+            limits=ServerLimits(**{name: given[name] for name, _ in LIMIT_FLAGS.values()}),
+            host=args.host,
+            port=args.port,
+            slots=args.slots,
+            max_queue=args.max_queue,
+            api_key=args.api_key or os.environ.get("HKSERVE_API_KEY") or None,
+            cors_origins=tuple(args.cors_origin or ()),
         )
 
 
@@ -112,29 +145,29 @@ def _log_to_stderr() -> None:
         logger.propagate = False
 
 
-def run_server(args) -> int:
+def run_server(args: argparse.Namespace) -> int:
     _log_to_stderr()
-    api_key = args.api_key or os.environ.get("HKSERVE_API_KEY") or None
-    hosts = HostGroup.from_args(args)
-    listener = None if hosts and hosts.host_id else bind_socket(args.host, args.port)
+    options = ServeOptions.from_args(args)
+    hosts = HostGroup.from_flags(options.hosts)
+    listener = None if hosts and hosts.host_id else bind_socket(options.host, options.port)
     if hosts:
         hosts.initialize()
-    engine = load_engine(args, args.slots, hosts)
+    engine = load_engine(options.load, options.slots, hosts)
     if hosts and hosts.host_id:
         return run_follower(engine, hosts)
     serving = types.SimpleNamespace(app=None, runner=None)  # what a lost host must fail, once it exists
     if hosts:
         engine = _lead(engine, hosts, serving)
-    runner = InferenceRunner(engine, max_queue=args.max_queue)
-    limits = ServerLimits(**{name: getattr(args, name) for name, _ in LIMIT_FLAGS.values()})
-    max_len = engine.max_len
+    runner = InferenceRunner(engine, max_queue=options.max_queue)
+    limits = options.limits
+    max_len, model = engine.max_len, options.load.model
     app = create_app(
         runner,
-        ModelStore().tokenizer(args.model),
-        args.model,
+        ModelStore().tokenizer(model),
+        model,
         max_len,
-        api_key=api_key,
-        cors_origins=tuple(args.cors_origin or ()),
+        api_key=options.api_key,
+        cors_origins=options.cors_origins,
         limits=limits,
     )
     serving.app, serving.runner = app, runner
@@ -142,11 +175,17 @@ def run_server(args) -> int:
     def warm_up():
         log.info("compiling prefill buckets and decode windows ...")
         runner.start(warmup=True)
-        log.info("ready: %s on %d slots, context %d", args.model, runner.engine.slots, max_len)
+        log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
 
     threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()
     config = uvicorn_config(
-        app, limits, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60, lifespan="off"
+        app,
+        limits,
+        host=options.host,
+        port=options.port,
+        log_level="info",
+        timeout_graceful_shutdown=60,
+        lifespan="off",
     )
     server = DrainingServer(config, app, runner)
     # uvicorn drains on SIGTERM, then re-raises it through the previous handler: make that handler a

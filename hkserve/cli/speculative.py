@@ -17,11 +17,12 @@ def add_arguments(p) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=SpecConfig.k, help="drafts per verify step (K)")
 
 
-def wrap(engine: Engine, args, hosts=None) -> Engine | SpeculativeEngine:
-    """The engine, speculating when asked. Refused where it cannot run: across hosts (the followers
-    replay the plain Engine's calls), on a VQ memory (SpeculativeEngine refuses it)."""
-    if getattr(args, "speculative", "off") == "off":
+def wrap(engine: Engine, mode: str, k: int, hosts=None) -> Engine | SpeculativeEngine:
+    """The engine, speculating when `mode` (--speculative) asks, with `k` drafts per verify step.
+    Refused where it cannot run: across hosts (the followers replay the plain Engine's calls), on a VQ
+    memory (SpeculativeEngine refuses it)."""
+    if mode == "off":
         return engine
     if hosts is not None:
         raise ValueError("--speculative ngram is not supported across hosts")
-    return SpeculativeEngine(engine, SpecConfig(k=args.num_speculative_tokens))
+    return SpeculativeEngine(engine, SpecConfig(k=k))

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
@@ -38,34 +39,20 @@ from hkserve.model.model import Model
 from hkserve.model.sampling import SamplingParams, TokenHistory, empty_history, make_settings, sample
 from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 
-DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-
 
 class Engine:
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
-    Not thread-safe: one thread (the runner's loop) calls it.
+    Not thread-safe: one thread (the runner's loop) calls it. A ServingEngine (protocols.py).
     """
 
-    def __init__(
-        self,
-        model: Model,
-        params,
-        slots: int = 1,
-        max_len: int = 2048,
-        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
-        n_top: int = 5,
-        mesh: Mesh | None = None,
-        prefill_rows: int = 4,
-        structured: bool = False,
-        prefix_cache: str = "off",
-        split_masks: bool | None = None,
-    ):
-        """`structured`: also compile the step of grammar-constrained batches in warmup (servers do;
-        else its programs compile on the first constrained step). `split_masks`: run that step as two
-        programs, so the host fills the masks while the model half runs (the default on accelerators),
-        or as one program once the masks are filled (the default on the CPU, where the host shares the
-        cores with the "device" and the split costs more than the overlap gains: docs/benchmarks.md)."""
+    supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
+
+    def __init__(self, model: Model, params, options: EngineOptions = EngineOptions(), mesh: Mesh | None = None):
+        """`options`: how it is built (EngineOptions); `mesh`: the devices (default: the first one)."""
+        slots, max_len, prefill_buckets, n_top = options.slots, options.max_len, options.prefill_buckets, options.n_top
+        prefill_rows, structured, prefix_cache = options.prefill_rows, options.structured, options.prefix_cache
+        split_masks = options.split_masks
         config = model.config
         self.structured = structured
         self.split_masks = jax.default_backend() != "cpu" if split_masks is None else split_masks
@@ -76,6 +63,7 @@ class Engine:
         self.mesh = mesh or parse_mesh("1x1", devices=jax.devices()[:1])
         check_slots(slots, self.mesh)
         self.model, self.slots, self.max_len, self.n_top = model, slots, max_len, n_top
+        self.vocab_size = config.vocab_size
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         self.prefix_cache = prefix_cache  # "exact": every prefill in fixed chunks (prefix_copy.plan_chunks)
         self.prefill_chunk = min(EXACT_CHUNK, max_len) if prefix_cache == "exact" else None
@@ -92,6 +80,10 @@ class Engine:
         self.reset()
         self._compiled: dict = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
+
+    def spec_counts(self) -> None:
+        """A plain engine does not speculate."""
+        return None
 
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""

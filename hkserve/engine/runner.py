@@ -39,30 +39,29 @@ import asyncio
 import collections
 import logging
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 
 from hkserve.engine.admission import Admission, InFlight, SlotState
 from hkserve.engine.constrained import SlotGrammars
-from hkserve.engine.engine import Engine
 from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.prefix_cache import PrefixCache
+from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
+from hkserve.engine.spec_policy import SpecCounts
+from hkserve.engine.state import check_max_tokens
 
 log = logging.getLogger("hkserve.runner")
 
 
-class RunnerStats(NamedTuple):
-    slots: int
-    running: int
-    waiting: int
-
-
 class InferenceRunner(Admission):
-    def __init__(self, engine: Engine, max_queue: int = 64, prefill_budget: int = 256):
+    """The API's ServingRunner (protocols.py) over any ServingEngine."""
+
+    def __init__(self, engine: ServingEngine, max_queue: int = 64, prefill_budget: int = 256):
         self.engine = engine
         self.max_queue = max_queue
+        self.vocab_size = engine.vocab_size
         # Prompt tokens admitted per loop iteration (at least one request): a burst fills the free
         # slots in a few iterations while running requests wait at most ~one budget of prefill per token.
         self.prefill_budget = prefill_budget
@@ -78,10 +77,9 @@ class InferenceRunner(Admission):
         self._in_flight: list[InFlight] = []  # the last pass's dispatched device work, read next pass
         self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
-        self.grammars = SlotGrammars(engine.slots, engine.model.config.vocab_size)  # constrained slots
+        self.grammars = SlotGrammars(engine.slots, engine.vocab_size)  # constrained slots
         # What each slot's memory holds, and where prompts go (mode "off": the first free slot).
-        mode, chunk = getattr(engine, "prefix_cache", "off"), getattr(engine, "prefill_chunk", None)
-        self.prefix = PrefixCache(engine.slots, mode, granule=chunk or 1)
+        self.prefix = PrefixCache(engine.slots, engine.prefix_cache, granule=engine.prefill_chunk or 1)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -127,15 +125,14 @@ class InferenceRunner(Admission):
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request. Raises ContextLengthError / ValueError for bad requests, Overloaded when full."""
-        if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
-            raise ValueError(f"max_tokens must be at least 1 (0 when scoring the prompt), got {request.max_tokens}")
+        check_max_tokens(request.max_tokens, scoring=request.prompt_logprobs is not None)
         self.engine.check_fits(len(request.prompt_ids), request.max_tokens)
-        vocab = self.engine.model.config.vocab_size
+        vocab = self.engine.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         request.sampling.check_vocab(vocab)
-        if request.grammar is not None and not getattr(self.engine, "supports_grammars", True):
+        if request.grammar is not None and not self.engine.supports_grammars:
             raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
         wanted = max(request.logprobs, request.prompt_logprobs or 0)
         if wanted > self.engine.n_top:
@@ -169,6 +166,12 @@ class InferenceRunner(Admission):
     def stats(self) -> RunnerStats:
         """The loop's snapshot as of its last iteration (a request queued since is not counted yet)."""
         return self._stats
+
+    def spec_counts(self) -> SpecCounts | None:
+        return self.engine.spec_counts()
+
+    def observe_masks(self, observe: Callable[[float, int], None]) -> None:
+        self.grammars.observe = observe
 
     def generate(self, request: Request) -> list[Token]:
         """Blocking convenience: submit and collect the tokens."""

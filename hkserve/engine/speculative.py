@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.outputs import PendingTokens, Token
 from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
 from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
@@ -84,13 +85,13 @@ class _PrefillRead:
         return tokens
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(ForwardsQueries):
     """An Engine that drafts with n-gram lookup and verifies the drafts in one step."""
 
     def __init__(self, engine: Engine, config: SpecConfig | None = None):
         if engine.model.config.memory != "kv":
             raise ValueError("speculative decoding needs a KV memory (a VQ memory cannot drop rejected tokens)")
-        self.engine = engine
+        self.inner: Engine = engine  # its queries (slots, max_len, positions, ...) are forwarded: ForwardsQueries
         self.config = config or SpecConfig()
         self.policy = SpecPolicy(self.config, engine.slots)
         self._epoch = np.zeros(engine.slots, np.int64)
@@ -103,19 +104,19 @@ class SpeculativeEngine:
         self._compiled: dict = {}
         self._new_context()
 
-    def __getattr__(self, name):  # everything else is the Engine's (slots, max_len, model, check_fits, ...)
-        return getattr(self.engine, name)
-
     @property
     def counts(self) -> SpecCounts:
         return self.policy.counts
 
+    def spec_counts(self) -> SpecCounts:
+        return self.policy.counts
+
     def _new_context(self) -> None:
-        shape = (self.engine.slots, self.engine.max_len)
+        shape = (self.inner.slots, self.inner.max_len)
         self.context = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=self._context_sharding)()
 
     def reset(self) -> None:
-        self.engine.reset()
+        self.inner.reset()
         self._new_context()
         self._flights.clear()
 
@@ -123,7 +124,7 @@ class SpeculativeEngine:
     def _fn(self, kind: str, attend_len: int = 0):
         key = (kind, attend_len)
         if key not in self._compiled:
-            e, rep, ctx = self.engine, self.engine._sharding(), self._context_sharding
+            e, rep, ctx = self.inner, self.inner._sharding(), self._context_sharding
             if kind == "verify":
                 c = self.config
                 fn = functools.partial(verify_step, e.model, e.n_top, c.k, c.ngram_sizes, attend_len)
@@ -145,7 +146,7 @@ class SpeculativeEngine:
 
     # -- the Engine's interface -----------------------------------------------------------------
     def _started(self, slot: int, prompt_ids) -> None:
-        row = np.zeros(self.engine.max_len, np.int32)
+        row = np.zeros(self.inner.max_len, np.int32)
         row[: len(prompt_ids)] = prompt_ids
         self.context = self._fn("prompt")(self.context, np.int32(slot), row)
         self._epoch[slot] += 1
@@ -172,21 +173,30 @@ class SpeculativeEngine:
         """No batched prefill: every prompt's tokens reach the context through `prefill`."""
         return None
 
+    def prefill_many(self, slots, prompts, settings):
+        raise ValueError("a speculating engine has no batched prefill (rows_program is None)")
+
+    def step_forward(self, active: np.ndarray):
+        raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
+
+    def step_sample(self, forward, bitmask: np.ndarray):
+        raise ValueError("structured outputs and tool calls are not supported with --speculative ngram")
+
     def prefill(self, slot: int, prompt_ids, settings=None, **keywords) -> _PrefillRead:
         """The Engine's prefill (with a prefix cache's `reuse`: the context takes the whole prompt all the same)."""
-        pending = self.engine.prefill(slot, prompt_ids, settings, **keywords)
+        pending = self.inner.prefill(slot, prompt_ids, settings, **keywords)
         self._started(slot, prompt_ids)
         return _PrefillRead(self, pending, slot)
 
     def score_prefill(self, slot: int, prompt_ids, settings=None, **keywords):
-        pending, scores = self.engine.score_prefill(slot, prompt_ids, settings, **keywords)
+        pending, scores = self.inner.score_prefill(slot, prompt_ids, settings, **keywords)
         self._started(slot, prompt_ids)
         return _PrefillRead(self, pending, slot), scores
 
     def step(self, active: np.ndarray) -> PendingSpec:
         """One step for the active slots [B]: a verify step when the policy has slots drafting, else
         the Engine's plain step (after adding the inputs to the context)."""
-        e = self.engine
+        e = self.inner
         active = np.asarray(active, bool)
         drafting = self.policy.plan(active)
         top = e.max_len - 1  # a slot still owed tokens never starts a step past it (see _settle)
@@ -217,13 +227,13 @@ class SpeculativeEngine:
         later = sum(
             int(f.grow[slot]) for s, f in self._flights.items() if s > seq and f.epoch[slot] == self._epoch[slot]
         )
-        self.engine.positions[slot] = min(step + later, self.engine.max_len - 1)
+        self.inner.positions[slot] = min(step + later, self.inner.max_len - 1)
         if flight.drafting[slot]:
             self.policy.observe(slot, drafted, emitted)
 
     def warmup(self) -> None:
         """The Engine's programs, then a verify step per window and the context programs."""
-        e = self.engine
+        e = self.inner
         e.warmup()
         first = np.eye(e.slots, dtype=bool)[0]
         self._started(0, [0])

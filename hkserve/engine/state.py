@@ -28,6 +28,19 @@ class ContextLengthError(ValueError):
         self.max_len, self.prompt_tokens, self.max_tokens = max_len, prompt_tokens, max_tokens
 
 
+def check_max_tokens(max_tokens: int, scoring: bool) -> None:
+    """The one check of a request's max_tokens on its own (the runner's submit and the API's request
+    preparation call it; check_context checks it against the context): at least 1, or 0 when the
+    prompt's scores are all that is wanted."""
+    if scoring and max_tokens < 0:
+        raise ValueError(f"max_tokens must be at least 0, got {max_tokens}")
+    if not scoring and max_tokens < 1:
+        raise ValueError(
+            f"max_tokens must be at least 1, got {max_tokens} (0 returns only the prompt, scored: it needs echo"
+            " or prompt_logprobs)"
+        )
+
+
 def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
     """Refuse a request whose prompt and generation cannot fit a context of `max_len` tokens."""
     if prompt_tokens == 0:

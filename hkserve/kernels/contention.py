@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -137,7 +138,7 @@ def watch(set_cap: Callable[[int], None]) -> bool:
     with _lock:
         if _monitor is not None:
             return True
-        if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2 or not Path("/proc/stat").exists():
+        if sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2 or not Path("/proc/stat").exists():
             return False
         _monitor = ContentionMonitor(set_cap)
         _monitor.start()

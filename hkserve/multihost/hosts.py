@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.state import ContextLengthError
 from hkserve.model.sampling import SamplingParams
@@ -29,6 +30,16 @@ from hkserve.model.sharding import parse_mesh
 from hkserve.multihost.control import Follower, Leader, load_secret
 
 log = logging.getLogger("hkserve.multihost")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFlags:
+    """The multi-host flags as given (None: not given; HostGroup.from_flags then reads the environment)."""
+
+    coordinator: str | None = None  # --coordinator HOST:PORT
+    num_hosts: int | None = None  # --num-hosts
+    host_id: int | None = None  # --host-id
+    hosts_mesh: str | None = None  # --hosts-mesh DATAxMODEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,23 +59,22 @@ class HostGroup:
         return self.coordinator.rsplit(":", 1)[0]
 
     @classmethod
-    def from_args(cls, args) -> HostGroup | None:
+    def from_flags(cls, flags: HostFlags) -> HostGroup | None:
         """Flags, else HKSERVE_COORDINATOR / HKSERVE_NUM_HOSTS / HKSERVE_HOST_ID / HKSERVE_HOSTS_MESH /
         HKSERVE_CONTROL_PORT / HKSERVE_CONTROL_BIND, and the shared secret (control.load_secret). None when
         this is a single-host server."""
         env = os.environ.get
-        coordinator = getattr(args, "coordinator", None) or env("HKSERVE_COORDINATOR")
-        num_hosts = int(getattr(args, "num_hosts", None) or env("HKSERVE_NUM_HOSTS") or 1)
+        coordinator = flags.coordinator or env("HKSERVE_COORDINATOR")
+        num_hosts = int(flags.num_hosts or env("HKSERVE_NUM_HOSTS") or 1)
         if coordinator is None and num_hosts == 1:
             return None
-        host_id = getattr(args, "host_id", None)
-        host_id = int(host_id if host_id is not None else env("HKSERVE_HOST_ID", "-1"))
+        host_id = int(flags.host_id if flags.host_id is not None else env("HKSERVE_HOST_ID", "-1"))
         if coordinator is None or ":" not in coordinator:
             raise ValueError(f"--coordinator must be HOST:PORT of host 0, got {coordinator!r}")
         if num_hosts < 1 or not 0 <= host_id < num_hosts:
             raise ValueError(f"--host-id must be in 0..{num_hosts - 1} (--num-hosts {num_hosts}), got {host_id}")
         port = int(coordinator.rsplit(":", 1)[1])
-        hosts_mesh = getattr(args, "hosts_mesh", None) or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
+        hosts_mesh = flags.hosts_mesh or env("HKSERVE_HOSTS_MESH") or f"{num_hosts}x1"
         control = int(env("HKSERVE_CONTROL_PORT") or port + 1)
         bind = env("HKSERVE_CONTROL_BIND") or coordinator.rsplit(":", 1)[0]
         group = cls(coordinator, num_hosts, host_id, hosts_mesh, control, bind, load_secret())
@@ -109,7 +119,7 @@ def _call(op: str, **args) -> dict:
     return {"op": op, **args}
 
 
-class LeaderEngine:
+class LeaderEngine(ForwardsQueries):
     """Host 0's engine: the Engine's interface, each device call first sent to the followers.
 
     Calls are broadcast before they are issued locally, since a multi-host program cannot finish
@@ -117,21 +127,29 @@ class LeaderEngine:
     logit_bias) are raised identically by the followers' replay, which skips them."""
 
     def __init__(self, engine, leader: Leader):
-        self._engine, self._leader = engine, leader
+        self.inner, self._leader = engine, leader
 
-    def __getattr__(self, name):  # slots, max_len, model, n_top, check_fits, positions, mesh ...
-        return getattr(self._engine, name)
+    # -- host-side queries and capabilities: host 0's engine answers alone (ServingEngine) ----------
+    @property
+    def supports_grammars(self) -> bool:
+        return self.inner.supports_grammars
+
+    def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
+        return self.inner.rows_program(prompt_len)
+
+    def spec_counts(self):
+        return self.inner.spec_counts()
 
     def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None):
         """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
         a grammar's first mask."""
         extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
-        return self._engine.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
+        return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
-        return self._engine.score_prefill(slot, prompt_ids, settings, **_keywords(bitmask=bitmask))
+        return self.inner.score_prefill(slot, prompt_ids, settings, **_keywords(bitmask=bitmask))
 
     def _announce(self, op: str, slot: int, prompt_ids, settings: SamplingParams | None, bitmask, **extra):
         """Send a prefill call to the followers; returns the settings it carries."""
@@ -147,29 +165,29 @@ class LeaderEngine:
         ids = [[int(t) for t in p] for p in prompts]
         sets = [dataclasses.asdict(s) for s in settings]
         self._leader.broadcast(_call("prefill_many", slots=[int(s) for s in slots], ids=ids, settings=sets))
-        return self._engine.prefill_many(slots, prompts, settings)
+        return self.inner.prefill_many(slots, prompts, settings)
 
     def step(self, active):
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step", active=active.tolist()))
-        return self._engine.step(active)
+        return self.inner.step(active)
 
     def step_forward(self, active):
         active = np.asarray(active, bool)
         self._leader.broadcast(_call("step_forward", active=active.tolist()))
-        return self._engine.step_forward(active)
+        return self.inner.step_forward(active)
 
     def step_sample(self, forward, bitmask):
         self._leader.broadcast(_call("step_sample", mask=_pack_mask(bitmask)))
-        return self._engine.step_sample(forward, bitmask)
+        return self.inner.step_sample(forward, bitmask)
 
     def reset(self) -> None:
         self._leader.broadcast(_call("reset"))
-        self._engine.reset()
+        self.inner.reset()
 
     def warmup(self) -> None:
         self._leader.broadcast(_call("warmup"))
-        self._engine.warmup()
+        self.inner.warmup()
 
     def close(self) -> None:
         """Tell the followers to exit cleanly, then close the channel."""

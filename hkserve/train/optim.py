@@ -21,7 +21,7 @@ def decay_mask(params) -> dict:
     name is a gain/bias, or it is a vector once the layer-stack axis is discounted."""
 
     def decays(path, leaf) -> bool:
-        keys = [str(getattr(k, "key", k)) for k in path]
+        keys = [str(k.key if isinstance(k, jax.tree_util.DictKey) else k) for k in path]
         module, name = "/".join(keys[:-1]), keys[-1]
         stacked = "layers" in module.split("/")  # hk.layer_stack adds a leading [n_layers] axis
         matrix_dims = leaf.ndim - (1 if stacked else 0)

@@ -1,0 +1,42 @@
+"""Who may call what, checked by the guard (guard.py) before any route runs: the API key on every
+path but the open ones, and readiness on the generation routes (/v1/models answers while loading)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from hkserve.api.context import check_ready
+from hkserve.api.protocol import APIError
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+def key_matches(authorization: str, api_key: str) -> bool:
+    """'Bearer KEY' (the scheme is case-insensitive, RFC 7235), compared in constant time."""
+    scheme, _, given = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+def access_check(state, api_key: str | None) -> Callable[[dict], None]:
+    """The guard's check of an ASGI scope against the key and the app's `state` (APIError 401 / 503)."""
+
+    def check(scope: dict) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        if (
+            api_key
+            and path not in OPEN_PATHS
+            and scope.get("method") != "OPTIONS"
+            and not key_matches(headers.get("authorization", ""), api_key)
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        if path.startswith("/v1/") and path != "/v1/models":
+            check_ready(state)
+
+    return check

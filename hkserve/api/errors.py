@@ -1,0 +1,30 @@
+"""Every error leaves as OpenAI's error body with its status: ours (APIError), a body FastAPI could
+not validate (400), and Starlette's own (404 for an unknown path, 405, ...)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hkserve.api.protocol import APIError, validation_error
+
+
+async def _api_error(_, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _invalid(_, exc: RequestValidationError):
+    return JSONResponse(validation_error(exc).body(), status_code=400)
+
+
+async def _http(_, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)

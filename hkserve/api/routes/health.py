@@ -1,0 +1,26 @@
+"""GET /health (200 "ok" only when generations are taken: else 503 loading / draining / failed) and
+GET /metrics (Prometheus text). Both are open without the API key (access.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from hkserve.api.context import Context, not_ready
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    why = not_ready(request.app.state)
+    if why == "failed":
+        return JSONResponse({"status": "failed", "error": request.app.state.failed}, status_code=503)
+    if why is not None:
+        return JSONResponse({"status": why}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def prometheus(ctx: Context):
+    return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

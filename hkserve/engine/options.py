@@ -1,0 +1,25 @@
+"""How an Engine is built, as one frozen record (cli/loading.py makes it from the command's flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """`structured`: also compile the step of grammar-constrained batches in warmup (servers do; else
+    its programs compile on the first constrained step). `split_masks`: run that step as two programs,
+    so the host fills the masks while the model half runs (the default on accelerators), or as one
+    program once the masks are filled (the default on the CPU, where the host shares the cores with the
+    "device" and the split costs more than the overlap gains: docs/benchmarks.md)."""
+
+    slots: int = 1  # decode rows
+    max_len: int = 2048  # tokens per slot (at most the model's context)
+    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS  # prompt lengths are padded up to one of these
+    n_top: int = 5  # top logprobs per sampled token
+    prefill_rows: int = 4  # short prompts prefilled together per rows program (prefill_rows.py); 0: off
+    structured: bool = False
+    prefix_cache: str = "off"  # prefix_cache.MODES
+    split_masks: bool | None = None  # None: by backend (see above)

@@ -1,0 +1,97 @@
+"""The two interfaces of serving, written down: what the runner needs from an engine (`ServingEngine`:
+Engine, SpeculativeEngine, multihost's LeaderEngine, tests' FakeEngine) and what the HTTP API needs
+from a runner (`ServingRunner`: InferenceRunner, tests' FakeRunner).
+
+What an implementation can or cannot do is a declared attribute (`supports_grammars`,
+`prefix_cache`, `spec_counts`), never probed with getattr/hasattr: a missing member is a type error
+here and a failing test (tests/test_protocols.py), not a silently different path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from hkserve.engine.prefix_cache import Reuse
+from hkserve.engine.requests import Request, RequestStream
+from hkserve.engine.spec_policy import SpecCounts
+
+
+class RunnerStats(NamedTuple):
+    slots: int
+    running: int
+    waiting: int
+
+
+class Pending(Protocol):
+    """Device results whose host copy has started: `read()` waits for them."""
+
+    def read(self) -> Any: ...
+
+
+class ServingEngine(Protocol):
+    """The device side as the runner drives it, from its one loop thread."""
+
+    slots: int  # decode rows
+    max_len: int  # tokens one slot's memory holds
+    n_top: int  # top logprobs each sampled token carries
+    vocab_size: int  # the model's vocabulary: the width of logits and of grammar masks ([B, ceil(V/32)])
+    prefix_cache: str  # prefix_cache.MODES: how the runner places prompts into slots
+    prefill_chunk: int | None  # the fixed prefill chunk of prefix_cache "exact" (the reuse granule), else None
+    supports_grammars: bool  # whether step_forward / step_sample and a first-token bitmask are honoured
+    positions: np.ndarray  # [B] host mirror of each slot's position
+
+    def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None: ...
+
+    def prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings=None, reuse: Reuse | None = None, bitmask=None
+    ) -> Pending: ...
+
+    def score_prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings=None, bitmask=None
+    ) -> tuple[Pending, Pending]: ...
+
+    def rows_program(self, prompt_len: int) -> tuple[int, int] | None: ...
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], settings) -> Pending: ...
+
+    def step(self, active: np.ndarray) -> Pending: ...
+
+    def step_forward(self, active: np.ndarray) -> Any: ...
+
+    def step_sample(self, forward: Any, bitmask: np.ndarray) -> Pending: ...
+
+    def reset(self) -> None: ...
+
+    def warmup(self) -> None: ...
+
+    def spec_counts(self) -> SpecCounts | None:
+        """Speculative decoding's totals so far; None for an engine that does not speculate."""
+        ...
+
+
+class ServingRunner(Protocol):
+    """A runner as the HTTP API uses it, from any thread."""
+
+    max_queue: int  # requests queued at once: a request needing more choices can never be admitted
+    ready: threading.Event  # set once warm-up compiled the programs
+    # The model's vocabulary (grammar masks are this wide); None: the tokenizer's (a runner with no model).
+    vocab_size: int | None
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def stats(self) -> RunnerStats: ...
+
+    def spec_counts(self) -> SpecCounts | None:
+        """Speculative decoding's totals so far; None when the engine does not speculate."""
+        ...
+
+    def observe_masks(self, observe: Callable[[float, int], None]) -> None:
+        """Have `observe(seconds, rows)` called for each grammar mask fill (a runner without grammars: never)."""
+        ...
