@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hkserve.api import formats, spec_metrics
+from hkserve.api import formats, spec_metrics, web
 from hkserve.api.generation import Generation, Update
 from hkserve.api.guard import GuardMiddleware
 from hkserve.api.limits import ServerLimits
@@ -46,7 +46,7 @@ from hkserve.engine.constrained import Grammar, GrammarCompiler, GrammarError, G
 from hkserve.engine.state import ContextLengthError, check_context
 from hkserve.model.sampling import InvalidSampling, SamplingParams
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", *web.PAGE_PATHS}  # the chat page loads without the key; its API calls send it
 # A prompt of more than (context x longest token x this) characters cannot fit, whatever the tokenizer's
 # normalizer merges: refused before tokenizing.
 CHARS_PER_TOKEN_MARGIN = 4
@@ -67,6 +67,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
     limits: ServerLimits = ServerLimits(),
+    web_page: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
@@ -212,6 +213,9 @@ def create_app(
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
+
+    if web_page:
+        app.include_router(web.router)
 
     # -- generation -------------------------------------------------------------------------------
     def _prompt_ids(prompts: list[str | list[int]]) -> list[list[int]]:

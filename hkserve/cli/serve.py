@@ -84,6 +84,10 @@ def add_limit_arguments(group) -> None:
         )
 
 
+def add_web_argument(parser) -> None:
+    parser.add_argument("--no-web", action="store_true", help="no chat page at / (it stays a 404)")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound now: a port in use is a clear error before minutes of loading."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -136,6 +140,7 @@ def run_server(args) -> int:
         api_key=api_key,
         cors_origins=tuple(args.cors_origin or ()),
         limits=limits,
+        web_page=not args.no_web,
     )
     serving.app, serving.runner = app, runner
 
