@@ -274,7 +274,12 @@ function wireSettings() {
   }
   $("toggle-settings").addEventListener("click", () => ($("settings").hidden = !$("settings").hidden));
   $("toggle-side").addEventListener("click", () => $("side").classList.toggle("closed"));
-  if (window.matchMedia("(max-width: 700px)").matches) $("side").classList.add("closed");
+  // On a phone the conversation list folds away, and folds again once one is picked.
+  const phone = window.matchMedia("(max-width: 700px)");
+  $("side").classList.toggle("closed", phone.matches);
+  phone.addEventListener("change", (e) => $("side").classList.toggle("closed", e.matches));
+  $("conversations").addEventListener("click", () => phone.matches && $("side").classList.add("closed"));
+  $("new-chat").addEventListener("click", () => phone.matches && $("side").classList.add("closed"));
 }
 
 function start() {
