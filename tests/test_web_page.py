@@ -45,16 +45,23 @@ PERSON = {
 HOSTILE = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
 
 
+def start_server(home, *args: str) -> tuple[subprocess.Popen, Lines]:
+    """`hkserve serve --model NAME ARGS` through tests/serve_held.py (its gate shut only on request), and
+    its output lines, read in the background."""
+    env = {**os.environ, "HKSERVE_HOME": str(home), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(REPO / "tests" / "serve_held.py"), "serve", "--model", NAME, *args]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, env=env, **pipes)
+    return proc, Lines(proc.stdout)
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_home):
     port = free_port()
-    env = {**os.environ, "HKSERVE_HOME": str(smollm2_home), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, str(REPO / "tests" / "serve_held.py"), "serve", "--model", NAME, "--port", str(port)]
-    command += ["--slots", "2", "--max-len", "256", "--prefill-rows", "1", "--api-key", KEY]  # few programs to compile
-    proc = subprocess.Popen(
-        command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    # --max-len 256 --prefill-rows 1: fewer programs to compile in the warm-up
+    proc, output = start_server(
+        smollm2_home, "--port", str(port), "--slots", "2", "--max-len", "256", "--prefill-rows", "1", "--api-key", KEY
     )
-    output = Lines(proc.stdout)
     try:
         output.wait_for(f"ready: {NAME}", timeout=600)
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, output=output)
@@ -286,17 +293,7 @@ def test_the_page_loads_without_the_key_behind_the_same_guard_while_the_api_need
 def test_no_web_leaves_slash_a_404(smollm2_home):
     """`hkserve serve --no-web`: / is a 404 (checked as soon as uvicorn answers, before the warm-up ends)."""
     port = free_port()
-    command = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", NAME, "--port", str(port), "--no-web"]
-    env = {**os.environ, "HKSERVE_HOME": str(smollm2_home)}
-    proc = subprocess.Popen(
-        command + ["--slots", "1", "--max-len", "128"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output = Lines(proc.stdout)
+    proc, output = start_server(smollm2_home, "--port", str(port), "--slots", "1", "--max-len", "128", "--no-web")
     try:
         output.wait_for("Started server process")
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=60)
@@ -306,3 +303,26 @@ def test_no_web_leaves_slash_a_404(smollm2_home):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_an_earlier_message_edited_is_asked_again_and_what_followed_goes(page, server, golden):
+    case = next(c for c in golden["cases"] if "messages" in c)
+    settings(page, temperature="0", max_tokens="4")
+    prompt = page.find_element(By.ID, "prompt")
+    prompt.send_keys("Name a colour.", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "Just one.")  # Shift+Enter: a new line
+    assert prompt.get_attribute("value") == "Name a colour.\nJust one." and not page.find_elements(
+        By.CSS_SELECTOR, ".msg"
+    )
+    assert finished(page, ask(page, "")) == "done"  # Enter sends
+    assert finished(page, ask(page, "Name a fruit.")) == "done"
+    settings(page, temperature="0", max_tokens="32")
+    page.find_elements(By.CSS_SELECTOR, ".msg.user .edit")[0].click()
+    area = page.find_element(By.CSS_SELECTOR, ".msg.user textarea")
+    area.clear()
+    area.send_keys(case["messages"][0]["content"])
+    page.find_element(By.CSS_SELECTOR, ".msg.user .content button").click()  # its Send
+    wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 2)
+    reply = page.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+    assert finished(page, reply) == "done"
+    texts = [m.text for m in page.find_elements(By.CSS_SELECTOR, ".msg .content")]
+    assert texts == [case["messages"][0]["content"], case["text"]]
