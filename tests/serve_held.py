@@ -1,9 +1,10 @@
 """`hkserve serve` for tests/test_web_page.py, with a gate the test works by writing lines to stdin, so a
 reply can be caught mid-stream for certain (no timing guesses):
 
-  * `hold N`: the N-th decode step from now waits, after printing `step held`, until the line `go`;
-  * a runner cancel while a step is held prints `cancel during hold` first (the server saw the client
-    leave while its reply was still running).
+  * `hold N TAG`: the N-th decode step from now waits, after printing `step held TAG`, until the line
+    `go`;
+  * a runner cancel while a step is held prints `cancel during hold TAG` first (the server saw the
+    client leave while its reply was still running).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hkserve.engine.runner import InferenceRunner
 
 _step, _cancel = Engine.step, InferenceRunner.cancel
 _lock = threading.Lock()
-_gate = {"countdown": 0}  # steps until the held one (0: none armed)
+_gate = {"countdown": 0, "tag": ""}  # steps until the held one (0: none armed), and its name
 _go = threading.Event()
 _holding = threading.Event()
 
@@ -28,7 +29,7 @@ def _commands() -> None:
         with _lock:
             if word == "hold":
                 _go.clear()
-                _gate["countdown"] = int(rest[0])
+                _gate["countdown"], _gate["tag"] = int(rest[0]), rest[1]
             elif word == "go":
                 _go.set()
 
@@ -39,7 +40,7 @@ def held_step(self, active):
         _gate["countdown"] = max(0, _gate["countdown"] - 1)
     if hold:
         _holding.set()
-        print("step held", flush=True)
+        print(f"step held {_gate['tag']}", flush=True)
         _go.wait()
         _holding.clear()
     return _step(self, active)
@@ -47,7 +48,7 @@ def held_step(self, active):
 
 def noted_cancel(self, request_id: str) -> None:
     if _holding.is_set():
-        print("cancel during hold", flush=True)
+        print(f"cancel during hold {_gate['tag']}", flush=True)
     _cancel(self, request_id)
 
 

@@ -163,18 +163,22 @@ def save_screenshots(driver) -> None:
         driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
-def test_stop_mid_stream_cancels_the_request_and_frees_the_slot(page, server):
+@pytest.mark.parametrize("how", ["button", "escape"])
+def test_stop_mid_stream_cancels_the_request_and_frees_the_slot(page, server, how):
     settings(page, temperature="0", max_tokens="160")
-    send(server.proc, "hold 3")  # the third decode step of the reply waits for "go"
+    send(server.proc, f"hold 3 {how}")  # the third decode step of the reply waits for "go"
     try:
         reply = ask(page, "Write a long story about a dragon who learns to fly.")
-        server.output.wait_for("step held")
+        server.output.wait_for(f"step held {how}")
         wait(page, lambda _: reply.find_element(By.CSS_SELECTOR, ".content").text != "")  # shown before the end
         assert reply.get_attribute("data-state") == "streaming" and gauge(server, "hkserve_requests_running") == 1
         shown = reply.find_element(By.CSS_SELECTOR, ".content").text
-        page.find_element(By.ID, "stop").click()
+        if how == "button":
+            page.find_element(By.ID, "stop").click()
+        else:
+            page.find_element(By.ID, "prompt").send_keys(Keys.ESCAPE)
         assert finished(page, reply) == "stopped"
-        server.output.wait_for("cancel during hold")  # the server saw the client leave while the reply ran
+        server.output.wait_for(f"cancel during hold {how}")  # the server saw the client leave while the reply ran
     finally:
         send(server.proc, "go")  # also when the test failed: the next tests need the engine
     wait(page, lambda _: gauge(server, "hkserve_requests_running") == 0)
