@@ -309,7 +309,7 @@ def test_no_web_leaves_slash_a_404(smollm2_home):
         proc.wait(30)
 
 
-def test_an_earlier_message_edited_is_asked_again_and_what_followed_goes(page, server, golden):
+def test_an_earlier_message_edited_is_asked_again_and_what_followed_goes_and_copy_copies_it(page, server, golden):
     case = next(c for c in golden["cases"] if "messages" in c)
     settings(page, temperature="0", max_tokens="4")
     prompt = page.find_element(By.ID, "prompt")
@@ -330,3 +330,9 @@ def test_an_earlier_message_edited_is_asked_again_and_what_followed_goes(page, s
     assert finished(page, reply) == "done"
     texts = [m.text for m in page.find_elements(By.CSS_SELECTOR, ".msg .content")]
     assert texts == [case["messages"][0]["content"], case["text"]]
+    clipboard = {"origin": server.url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]}
+    page.execute_cdp_cmd("Browser.grantPermissions", clipboard)
+    reply.find_element(By.CSS_SELECTOR, ".copy").click()
+    wait(page, lambda _: reply.find_element(By.CSS_SELECTOR, ".copy").text == "Copied")
+    copied = page.execute_async_script("navigator.clipboard.readText().then(arguments[arguments.length - 1])")
+    assert copied == case["text"]  # the copy button copies the reply's own text
