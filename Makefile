@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-slow lint install clean mutate docker-check
+.PHONY: serve test test-slow lint install clean mutate docker-check browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ serve: $(STAMP)
 # Two pytest-xdist workers (one per core of the CI machine); a test file stays on one worker.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) lint
+# The chat page's tests (tests/test_web_page.py) drive Debian's Chromium through selenium: installed
+# here when missing (as root, from Debian's archive; no downloaded browser builds).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; }
+
+test: $(STAMP) lint browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The long checks kept out of `make test` (@pytest.mark.slow; docs/testing.md lists them).

@@ -29,3 +29,4 @@ def test_the_wheel_has_only_the_hkserve_package(tmp_path):
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"hkserve"}, sorted(top)
     assert "hkserve/engine/runner.py" in names
+    assert {"hkserve/api/web/index.html", "hkserve/api/web/app.js"} <= set(names)  # the chat page (package-data)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
+from hkserve.api import web
 from hkserve.api.context import check_ready
 from hkserve.api.protocol import APIError
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", *web.PAGE_PATHS}  # the chat page loads without the key; its API calls send it
 
 
 def key_matches(authorization: str, api_key: str) -> bool:

@@ -15,7 +15,7 @@ import anyio
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from hkserve.api import spec_metrics
+from hkserve.api import spec_metrics, web
 from hkserve.api.access import access_check
 from hkserve.api.context import CHARS_PER_TOKEN_MARGIN, ServerContext, longest_token
 from hkserve.api.errors import install_error_handlers
@@ -37,6 +37,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
     limits: ServerLimits = ServerLimits(),
+    web_page: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
@@ -62,4 +63,6 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
     for routes in (health, models, completions, chat):
         app.include_router(routes.router)
+    if web_page:  # the chat page at / (--no-web: / is a 404)
+        app.include_router(web.router)
     return app

@@ -100,6 +100,7 @@ class ServeOptions:
     max_queue: int = 64
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    web_page: bool = True  # the chat page at / (--no-web: off)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -114,7 +115,12 @@ class ServeOptions:
             max_queue=args.max_queue,
             api_key=args.api_key or os.environ.get("HKSERVE_API_KEY") or None,
             cors_origins=tuple(args.cors_origin or ()),
+            web_page=not args.no_web,
         )
+
+
+def add_web_argument(parser) -> None:
+    parser.add_argument("--no-web", action="store_true", help="no chat page at / (it stays a 404)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -169,6 +175,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=options.api_key,
         cors_origins=options.cors_origins,
         limits=limits,
+        web_page=options.web_page,
     )
     serving.app, serving.runner = app, runner
 
