@@ -16,6 +16,7 @@ log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
 TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
 ATTENTION = ("hk_decode_attention", "HkDecodeAttention")
+PAGED_ATTENTION = ("hk_paged_decode_attention", "HkPagedDecodeAttention")
 LOGIT_STATS = ("hk_logit_stats", "HkLogitStats")
 
 
@@ -26,7 +27,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*TARGETS.values(), ATTENTION, LOGIT_STATS):
+    for target, symbol in (*TARGETS.values(), ATTENTION, PAGED_ATTENTION, LOGIT_STATS):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
@@ -88,20 +89,26 @@ def decode_attention(
     window: jax.Array,
     cap: float = 0.0,
     threads: int = 0,
+    table: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one new token per row (kernels/attention.cc): q [B, Hkv, G, D] (rotated and scaled),
     the new token's k_new/v_new [B, Hkv, D], and the float32 memory [L, B, S, Hkv, D] of which layer
-    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D]."""
+    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D].
+    With `table` [B, MB] int32 the memory is a paged pool [L, NB, bs, Hkv, D] and row b's position s
+    lies in block table[b, s // bs] (model/paged_memory.py)."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
-    call = jax.ffi.ffi_call(ATTENTION[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    target = ATTENTION if table is None else PAGED_ATTENTION
+    call = jax.ffi.ffi_call(target[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    blocks = () if table is None else (i32(table),)
     return call(
         q.astype(jnp.float32),
         k_new.astype(jnp.float32),
         v_new.astype(jnp.float32),
         k_memory,
         v_memory,
+        *blocks,
         i32(layer),
         i32(past_len),
         i32(window),
