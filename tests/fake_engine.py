@@ -105,6 +105,9 @@ class FakeEngine:
         self.positions += active
         return FakePending([token(t) for t in self.last])  # idle rows repeat their last token: junk
 
+    def release(self, slot: int, keep: bool = False) -> None:
+        """A request left the slot (Engine.release frees its paged blocks; the fake holds none)."""
+
     def reset(self) -> None:
         self.calls.append(("reset",))
         self.last = [0] * self.slots

@@ -19,10 +19,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT
 from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
+from hkserve.engine.paged_slots import PagedSlots
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
-from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
+from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks, set_table
 from hkserve.engine.state import (
     ContextLengthError,
     DecodeState,
@@ -33,7 +35,7 @@ from hkserve.engine.state import (
     window_sizes,
 )
 from hkserve.model.build import param_shapes
-from hkserve.model.memory import init_memory, reset_slot
+from hkserve.model.memory import reset_slot
 from hkserve.model.model import Model
 from hkserve.model.sampling import SamplingParams, TokenHistory, empty_history, make_settings, sample
 from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
@@ -41,10 +43,10 @@ from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-class Engine:
+class Engine(PagedSlots):
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
-    Not thread-safe: one thread (the runner's loop) calls it.
+    Not thread-safe: one thread (the runner's loop) calls it. Its paged layout: paged_slots.py.
     """
 
     def __init__(
@@ -60,12 +62,17 @@ class Engine:
         structured: bool = False,
         prefix_cache: str = "off",
         split_masks: bool | None = None,
+        kv_layout: str = DEFAULT_LAYOUT,
+        kv_cache_mb: float | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         """`structured`: also compile the step of grammar-constrained batches in warmup (servers do;
         else its programs compile on the first constrained step). `split_masks`: run that step as two
         programs, so the host fills the masks while the model half runs (the default on accelerators),
         or as one program once the masks are filled (the default on the CPU, where the host shares the
-        cores with the "device" and the split costs more than the overlap gains: docs/benchmarks.md)."""
+        cores with the "device" and the split costs more than the overlap gains: docs/benchmarks.md).
+        `kv_layout` "paged": KV in blocks of `block_size` tokens from one pool of `kv_cache_mb` MiB
+        (kv_layout.py; None: its default), given to slots as they grow (`kv_pool`, block_pool.py)."""
         config = model.config
         self.structured = structured
         self.split_masks = jax.default_backend() != "cpu" if split_masks is None else split_masks
@@ -88,7 +95,8 @@ class Engine:
             shapes = jax.eval_shape(model.prepare, param_shapes(config))
             self.param_shardings = param_shardings(shapes, self.mesh, config)
             self.params = jax.jit(model.prepare, out_shardings=self.param_shardings)(self.params)
-        self.state_shardings = state_shardings(config, self.mesh)
+        self._size_pool(config, kv_layout, kv_cache_mb, block_size)
+        self.state_shardings = state_shardings(config, self.mesh, self.kv_layout)
         self.reset()
         self._compiled: dict = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
@@ -96,11 +104,12 @@ class Engine:
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""
         config = self.model.config
+        self._new_pool()
         # Made by a jitted function straight into its shardings: no host or single-device copy of the
         # memory, and valid when the mesh spans hosts (each host makes only its own shards).
         make = jax.jit(
             lambda: DecodeState(
-                init_memory(config, self.slots, self.max_len),
+                self._empty_memory(config),
                 jnp.zeros((self.slots,), jnp.int32),
                 jax.tree_util.tree_map(jnp.asarray, make_settings([SamplingParams()] * self.slots, config.vocab_size)),
                 empty_history(self.slots, config.vocab_size),
@@ -197,6 +206,12 @@ class Engine:
                 fn = self._sample_impl
                 in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
                 out_sh = (self.state_shardings, rep)
+            elif kind == "table":  # the host's block table into the (donated) state
+                fn = set_table
+                in_sh = (self.state_shardings, self._sharding("data", None))
+                out_sh = self.state_shardings
+                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
+                return self._compiled[key]
             elif kind == "copy":
                 fn = copy_prefix
                 in_sh = (self.state_shardings, rep, rep, rep, rep)
@@ -247,6 +262,7 @@ class Engine:
     ):
         """One chunk padded to `bucket` → its sampled-token output; with `following` (the prompt tokens
         after each of the chunk's), the scoring program → (output, scores) instead."""
+        self.sync_table()
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, : len(piece)] = piece
         slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
@@ -300,6 +316,7 @@ class Engine:
             reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
         )
         plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
+        self._assign(slot, len(prompt_ids), start if start and reuse.source == slot else 0)  # paged: its blocks
         try:
             if start:
                 self._copy_prefix(reuse.source, slot, prompt_ids[:start])
@@ -346,6 +363,7 @@ class Engine:
             np.asarray([dest], np.int32),
             np.asarray([len(prefix)], np.int32),
         )
+        self.sync_table()
         self.state = self._compiled_fn("copy", window)(self.state, *args)
         self.positions[dest] = len(prefix)
 
@@ -358,6 +376,7 @@ class Engine:
     def step(self, active: np.ndarray) -> PendingTokens:
         """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
         active = np.asarray(active, bool)
+        self._grow(active)
         self.state, out = self._compiled_fn("step", self._step_window(active))(self.params, self.state, active)
         self.positions += active
         return PendingTokens(out)
@@ -368,6 +387,7 @@ class Engine:
         `split_masks` off it dispatches nothing, and `step_sample` runs the whole step at once."""
         active = np.asarray(active, bool)
         window = self._step_window(active)
+        self._grow(active)
         self.positions += active
         if not self.split_masks:
             return PendingLogits(None, active, window)
@@ -407,3 +427,7 @@ class Engine:
                 self.positions[0] = w - 1
                 self.step_sample(self.step_forward(only_first), self._all_allowed_rows).read()
         self.positions[:] = 0
+        if self.kv_pool is not None:  # warmup's blocks back to the pool (its memory is never reused)
+            for slot in range(self.slots):
+                self.release(slot)
+            self.sync_table()

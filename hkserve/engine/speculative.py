@@ -90,6 +90,8 @@ class SpeculativeEngine:
     def __init__(self, engine: Engine, config: SpecConfig | None = None):
         if engine.model.config.memory != "kv":
             raise ValueError("speculative decoding needs a KV memory (a VQ memory cannot drop rejected tokens)")
+        if getattr(engine, "kv_layout", "static") == "paged":
+            raise ValueError("speculative decoding runs on the static KV layout for now (use --kv-layout static)")
         self.engine = engine
         self.config = config or SpecConfig()
         self.policy = SpecPolicy(self.config, engine.slots)

@@ -55,6 +55,9 @@ def _decoder(
             return _block(x, layer, window, theta)
 
     paged = isinstance(memory, PagedKVMemory)
+    # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
+    # given its blocks back while its step still counts them).
+    seen = jnp.where(lengths > 0, past_len, 0) if paged else past_len  # [b]
     # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc).
     in_place = (
         dispatch.active() is not None
@@ -83,7 +86,7 @@ def _decoder(
             else:
                 k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
             held = None
-        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held)
+        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, seen, window, theta, held)
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
         x = x + h
