@@ -8,6 +8,7 @@ from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels.dispatch import resolve
@@ -43,6 +44,25 @@ def add_prefix_cache_argument(p) -> None:
     )
 
 
+def add_kv_arguments(p) -> None:
+    """--kv-layout, --kv-cache-mb, --kv-block-size on every command that serves a model (kv_layout.py)."""
+    p.add_argument(
+        "--kv-layout",
+        choices=LAYOUTS,
+        default=DEFAULT_LAYOUT,
+        help="static: every slot reserves --max-len positions of KV; paged: blocks from one pool of --kv-cache-mb, "
+        "given to requests as they grow (Transformer-VQ models keep their fixed-size memory either way)",
+    )
+    p.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=None,
+        help="paged: the KV pool's size in MiB (default: on a GPU what its memory holds after the weights, "
+        "on the CPU what --slots x --max-len static slots take)",
+    )
+    p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged: tokens per KV block")
+
+
 def prefix_cache_mode(args, config) -> str:
     """--prefix-cache as given, else the default for a KV model and "off" for a Transformer-VQ one (whose
     compressed memory cannot be reused: asking for it explicitly is refused by the Engine)."""
@@ -67,6 +87,9 @@ def load_engine(args, slots: int, hosts=None):
     params = store.params(args.model, param_shardings(param_shapes(config), mesh, config), weights)
     kernels = resolve(getattr(args, "kernels", "auto"), config.dtype, config.memory, mesh.size)
     layers = getattr(args, "layers", "auto")
+    kv_layout = getattr(args, "kv_layout", DEFAULT_LAYOUT)
+    if hosts and kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
+        raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
     engine = Engine(
         build_model(config, kernels, None if layers == "auto" else layers),
         params,
@@ -77,6 +100,9 @@ def load_engine(args, slots: int, hosts=None):
         prefill_rows=getattr(args, "prefill_rows", 4),
         structured=True,  # structured outputs and tool calls: their split step compiles in warmup
         prefix_cache=prefix_cache_mode(args, config),
+        kv_layout=kv_layout,
+        kv_cache_mb=getattr(args, "kv_cache_mb", None),
+        block_size=getattr(args, "kv_block_size", DEFAULT_BLOCK_SIZE),
     )
     return speculative.wrap(engine, args, hosts)
 
