@@ -165,3 +165,12 @@ def test_block_pool_accounting_by_shard():
     pool.check()
     with pytest.raises(ValueError, match="divide"):
         BlockPool(7, 4, slots=4, max_blocks=3, shards=2)
+
+
+def test_warmup_on_the_paged_layout_gives_every_block_back():
+    runner = make_runner("xla", "paged", slots=2, prefix_cache="on")
+    runner.engine.structured = True  # the split step of constrained batches too
+    runner.engine.warmup()
+    runner.engine.kv_pool.check()
+    assert runner.engine.kv_pool.used == 0 and not runner.engine.kv_pool.dirty
+    assert run(runner, [TARGETS[0]]) == run(make_runner("xla", "static", slots=2), [TARGETS[0]])

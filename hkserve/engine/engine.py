@@ -34,6 +34,7 @@ from hkserve.engine.state import (
     state_shardings,
     window_sizes,
 )
+from hkserve.engine.warmup import Warmup
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import reset_slot
 from hkserve.model.model import Model
@@ -43,10 +44,11 @@ from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-class Engine(PagedSlots):
+class Engine(PagedSlots, Warmup):
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
-    Not thread-safe: one thread (the runner's loop) calls it. Its paged layout: paged_slots.py.
+    Not thread-safe: one thread (the runner's loop) calls it. Its paged layout: paged_slots.py; the
+    programs it compiles before serving: warmup.py.
     """
 
     def __init__(
@@ -235,21 +237,6 @@ class Engine(PagedSlots):
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         check_context(self.max_len, prompt_len, max_tokens)
 
-    def continuation_windows(self) -> tuple[int, ...]:
-        """Windows that the later chunks of a prompt longer than the largest bucket attend over."""
-        chunk = self.prefill_buckets[-1]
-        return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
-
-    def continuation_programs(self) -> list[tuple[int, int]]:
-        """(bucket, window) of every chunk that does not start a slot: a long prompt's later chunks, and
-        with prefix caching a suffix's chunks (any bucket, any window; exact: its one chunk shape)."""
-        if self.prefill_chunk:
-            chunk = self.prefill_chunk
-            return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
-        if self.prefix_cache == "on":
-            return [(b, w) for w in self.windows for b in self.prefill_buckets]
-        return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
-
     def _prefill_chunk(
         self,
         slot: int,
@@ -402,32 +389,3 @@ class Engine(PagedSlots):
         else:
             self.state, out = self._compiled_fn("sample", 0)(self.state, forward.logits, forward.active, bitmask)
         return PendingTokens(out)
-
-    def warmup(self) -> None:
-        """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
-        each continuation window of long prompts, each decode window: len(buckets) + 2 × len(windows)
-        programs, whatever the number of slots (the step is one program for all of them), plus the
-        batched-prefill rows programs, the prefix cache's suffix and copy programs and the split step
-        of constrained batches where those are on."""
-        for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
-            self.prefill(0, [0] * bucket)
-        row = make_settings([SamplingParams()], self.model.config.vocab_size)
-        for bucket, window in self.continuation_programs():  # one token each: compiles, writes little
-            self._prefill_chunk(0, [0], window, bucket, row)
-        self.row_prefill.warmup()
-        if self.prefix_cache != "off":
-            for window in self.windows:
-                self._copy_prefix(0, 0, [0] * window)
-            self.positions[0] = 0
-        only_first = np.eye(self.slots, dtype=bool)[0]
-        for w in self.windows:
-            self.positions[0] = w - 1
-            self.step(only_first).read()
-            if self.structured:  # the split step of grammar-constrained batches
-                self.positions[0] = w - 1
-                self.step_sample(self.step_forward(only_first), self._all_allowed_rows).read()
-        self.positions[:] = 0
-        if self.kv_pool is not None:  # warmup's blocks back to the pool (its memory is never reused)
-            for slot in range(self.slots):
-                self.release(slot)
-            self.sync_table()
