@@ -129,30 +129,6 @@ __attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, Scr
   }
 }
 
-// Checks the shapes shared by both layouts (the memory's dims 3 and 4 are [H, D] in both) and the
-// layer; fills r's fields but the memory's positions and the table.
-ffi::Error bind(Rows& r, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
-                ffi::Buffer<ffi::S32> past_len, ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32>& y,
-                float cap) {
-  auto qd = q.dimensions(), md = k.dimensions();
-  if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[3] != qd[1] ||
-      md[4] != qd[3] || qd[3] % 16 || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
-      v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
-      layer.element_count() != 1 || window.element_count() != 1)
-    return ffi::Error::InvalidArgument(
-        "hk decode attention: q [B,H,G,D] (D a multiple of 16), new k/v [B,H,D], memory [L,B,S,H,D] or a "
-        "pool [L,NB,bs,H,D], past_len [B], layer and window scalars");
-  int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= md[0]) return ffi::Error::InvalidArgument("hk decode attention: layer index out of range");
-  r.b = qd[0], r.h = qd[1], r.g = qd[2], r.d = qd[3];
-  const int64_t at = l * md[1] * md[2] * md[3] * md[4];
-  r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
-  r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
-  r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
-  return ffi::Error::Success();
-}
-
 void run(ffi::ThreadPool& pool, const Rows& r, int64_t threads) {
   threads = hk::call_threads(pool, threads);
   // With rows enough for the threads, a row's kv heads are one work item: its positions are then read
@@ -167,37 +143,36 @@ void run(ffi::ThreadPool& pool, const Rows& r, int64_t threads) {
   });
 }
 
+// table [B, MB] int32: MB = 0 for the static memory [L, B, S, H, D]; else the memory is a paged pool
+// [L, NB, bs, H, D], and every block a row can see (its positions < past_len) must be a pool block.
 ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                             ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> past_len,
-                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> y, float cap,
-                            int64_t threads) {
-  Rows r{};
-  if (auto e = bind(r, q, k_new, v_new, k, v, layer, past_len, window, y, cap); e.failure()) return e;
-  if (k.dimensions()[1] != r.b) return ffi::Error::InvalidArgument("hk decode attention: memory rows != q rows");
-  r.s = k.dimensions()[2];
-  run(pool, r, threads);
-  return ffi::Error::Success();
-}
-
-// The paged pool [L, NB, bs, H, D] read through table [B, MB]: every block a row can see (its
-// positions < past_len) must be a pool block, else nothing is computed.
-ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                                  ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                                  ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
-                                  ffi::Buffer<ffi::S32> past_len, ffi::Buffer<ffi::S32> window,
-                                  ffi::ResultBuffer<ffi::F32> y, float cap, int64_t threads) {
-  Rows r{};
-  if (auto e = bind(r, q, k_new, v_new, k, v, layer, past_len, window, y, cap); e.failure()) return e;
-  auto td = table.dimensions();
-  if (td.size() != 2 || td[0] != r.b) return ffi::Error::InvalidArgument("hk paged attention: table [B, MB]");
-  const int64_t nb = k.dimensions()[1];
-  r.bs = k.dimensions()[2], r.s = td[1] * r.bs, r.table = table.typed_data();
-  for (int64_t b = 0; b < r.b; ++b) {
-    const int64_t held = (std::clamp<int64_t>(r.past_len[b], 0, r.s) + r.bs - 1) / r.bs;
-    for (int64_t j = 0; j < held; ++j)
-      if (r.table[b * td[1] + j] < 0 || r.table[b * td[1] + j] >= nb)
-        return ffi::Error::InvalidArgument("hk paged attention: a row's past lies in a block outside the pool");
+                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> past_len,
+                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> y, float cap, int64_t threads) {
+  auto qd = q.dimensions(), md = k.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[3] != qd[1] ||
+      md[4] != qd[3] || qd[3] % 16 || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
+      v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
+      layer.element_count() != 1 || window.element_count() != 1 || td.size() != 2 || td[0] != qd[0] ||
+      (td[1] == 0 && md[1] != qd[0]))
+    return ffi::Error::InvalidArgument(
+        "hk decode attention: q [B,H,G,D] (D a multiple of 16), new k/v [B,H,D], memory [L,B,S,H,D] with table "
+        "[B,0] or a pool [L,NB,bs,H,D] with table [B,MB], past_len [B], layer and window scalars");
+  int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= md[0]) return ffi::Error::InvalidArgument("hk decode attention: layer index out of range");
+  Rows r{qd[0], qd[1], qd[2], qd[3], md[2]};
+  const int64_t at = l * md[1] * md[2] * md[3] * md[4];
+  r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
+  r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
+  r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
+  if (td[1] > 0) {  // paged
+    r.bs = md[2], r.s = td[1] * r.bs, r.table = table.typed_data();
+    for (int64_t b = 0; b < r.b; ++b) {
+      const int64_t held = (std::clamp<int64_t>(r.past_len[b], 0, r.s) + r.bs - 1) / r.bs;
+      for (int64_t j = 0; j < held; ++j)
+        if (r.table[b * td[1] + j] < 0 || r.table[b * td[1] + j] >= md[1])
+          return ffi::Error::InvalidArgument("hk decode attention: a row's past lies in a block outside the pool");
+    }
   }
   run(pool, r, threads);
   return ffi::Error::Success();
@@ -213,22 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkDecodeAttention, decode_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k memory
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v memory
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // past_len
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("cap")
-                                  .Attr<int64_t>("threads"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkPagedDecodeAttention, paged_decode_attention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block table ([B, 0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // past_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window

@@ -16,7 +16,6 @@ log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
 TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
 ATTENTION = ("hk_decode_attention", "HkDecodeAttention")
-PAGED_ATTENTION = ("hk_paged_decode_attention", "HkPagedDecodeAttention")
 LOGIT_STATS = ("hk_logit_stats", "HkLogitStats")
 
 
@@ -27,7 +26,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*TARGETS.values(), ATTENTION, PAGED_ATTENTION, LOGIT_STATS):
+    for target, symbol in (*TARGETS.values(), ATTENTION, LOGIT_STATS):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
@@ -98,17 +97,16 @@ def decode_attention(
     lies in block table[b, s // bs] (model/paged_memory.py)."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
-    target = ATTENTION if table is None else PAGED_ATTENTION
-    call = jax.ffi.ffi_call(target[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(ATTENTION[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    blocks = () if table is None else (i32(table),)
+    blocks = jnp.zeros((q.shape[0], 0), jnp.int32) if table is None else i32(table)  # [B, 0]: the static memory
     return call(
         q.astype(jnp.float32),
         k_new.astype(jnp.float32),
         v_new.astype(jnp.float32),
         k_memory,
         v_memory,
-        *blocks,
+        blocks,
         i32(layer),
         i32(past_len),
         i32(window),

@@ -29,10 +29,6 @@ class PagedKVMemory(NamedTuple):
     table: jax.Array  # [B, MB] int32: block of each slot's j-th bs positions; NB where none is held
 
     @property
-    def batch(self) -> int:
-        return self.step.shape[0]
-
-    @property
     def block_size(self) -> int:
         return self.k.shape[2]
 
@@ -75,7 +71,7 @@ def write_new(
     rest (padding, and blocks a row does not hold) is dropped."""
     bs, nb = memory.block_size, memory.n_blocks
     column = jnp.clip(positions // bs, 0, memory.table.shape[1] - 1)
-    block = jnp.take_along_axis(memory.table[jnp.clip(rows, 0, memory.batch - 1)], column, axis=1)  # [b, T]
+    block = jnp.take_along_axis(memory.table[jnp.clip(rows, 0, memory.step.shape[0] - 1)], column, axis=1)  # [b, T]
     block = jnp.where(real & (positions < memory.max_len), block, nb)
     offset = positions % bs
     return memory._replace(
