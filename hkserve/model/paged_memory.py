@@ -33,10 +33,6 @@ class PagedKVMemory(NamedTuple):
         return self.k.shape[2]
 
     @property
-    def n_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
     def max_len(self) -> int:
         return self.table.shape[1] * self.block_size
 
@@ -69,7 +65,7 @@ def write_new(
 ) -> PagedKVMemory:
     """Write k_new/v_new [L, b, T, Hkv, Dh] of rows [b] at positions [b, T] where real [b, T]; the
     rest (padding, and blocks a row does not hold) is dropped."""
-    bs, nb = memory.block_size, memory.n_blocks
+    bs, nb = memory.block_size, memory.k.shape[1]
     column = jnp.clip(positions // bs, 0, memory.table.shape[1] - 1)
     block = jnp.take_along_axis(memory.table[jnp.clip(rows, 0, memory.step.shape[0] - 1)], column, axis=1)  # [b, T]
     block = jnp.where(real & (positions < memory.max_len), block, nb)
