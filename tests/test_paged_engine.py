@@ -174,3 +174,15 @@ def test_warmup_on_the_paged_layout_gives_every_block_back():
     runner.engine.kv_pool.check()
     assert runner.engine.kv_pool.used == 0 and not runner.engine.kv_pool.dirty
     assert run(runner, [TARGETS[0]]) == run(make_runner("xla", "static", slots=2), [TARGETS[0]])
+
+
+def test_kv_options_an_engine_cannot_honour_are_refused():
+    model = build_model(CONFIG)
+    with pytest.raises(ValueError, match="use it with --kv-layout paged"):
+        Engine(model, F32, slots=2, max_len=160, kv_cache_mb=1.0)
+    with pytest.raises(ValueError, match="block size"):
+        Engine(model, F32, slots=2, max_len=160, kv_layout="paged", block_size=0)
+    with pytest.raises(ValueError, match="less than one request of --max-len 160"):
+        Engine(model, F32, slots=2, max_len=160, kv_layout="paged", block_size=16, kv_cache_mb=0.01)
+    with pytest.raises(ValueError, match="kv layout must be one of"):
+        Engine(model, F32, slots=2, max_len=160, kv_layout="pages")
