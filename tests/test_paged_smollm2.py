@@ -72,7 +72,7 @@ def neighbours(n: int) -> list[Request]:
     return out
 
 
-@pytest.mark.slow  # ~10 min on the loaded 2-core machine; the golden cases alone above run by default
+@pytest.mark.slow  # ~6 min for both paths on the loaded 2-core machine; the golden cases alone above run by default
 @pytest.mark.parametrize("path", ["xla", "kernels"])
 def test_golden_cases_among_16_neighbours_equal_static_on_the_paged_layout(smollm2, golden, int8_smollm2, path):
     _, info, tokenizer, params = smollm2
