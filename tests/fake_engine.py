@@ -62,6 +62,8 @@ class FakeEngine:
     prefix_cache: str = "off"
     prefill_chunk: int | None = None
     supports_grammars: bool = True
+    kv_layout: str = "static"
+    kv_pool: None = None  # the fake holds no paged blocks
     stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
@@ -139,6 +141,9 @@ class FakeEngine:
 
     def spec_counts(self) -> None:
         return None
+
+    def release(self, slot: int, keep: bool = False) -> None:
+        """A request left the slot (Engine.release frees its paged blocks; the fake holds none)."""
 
     def reset(self) -> None:
         self.calls.append(("reset",))

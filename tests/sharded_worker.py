@@ -22,7 +22,12 @@ from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
 # int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them
 # the layer loop (the GPU default) on two meshes, and "scan-1x1": the scan on one device, to compare with
-MESHES_OF_KIND = {"tiny-int8": ["1x1", "2x4"], "tiny-loop": ["1x1", "1x8", "2x4", "scan-1x1"]}
+# the paged KV layout (each data shard its own blocks) on 1x8 and 2x4, and "static-1x1" to compare with
+MESHES_OF_KIND = {
+    "tiny-int8": ["1x1", "2x4"],
+    "tiny-loop": ["1x1", "1x8", "2x4", "scan-1x1"],
+    "tiny-paged": ["1x1", "1x8", "2x4", "static-1x1"],
+}
 
 
 def mesh_for(name: str):
@@ -61,7 +66,7 @@ def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
 
 def main(kind: str, out: str, home: str | None = None) -> None:
     assert len(jax.devices()) == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    if kind in ("tiny", "tiny-int8", "tiny-loop"):
+    if kind in ("tiny", "tiny-int8", "tiny-loop", "tiny-paged"):
         config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
         host_params = build_model(config).init(jax.random.PRNGKey(3))
         if kind == "tiny-int8":  # int8 values and their scales sharded by the same rules
@@ -88,7 +93,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
     for name in MESHES_OF_KIND.get(kind, MESHES):
         if name.startswith("scan-"):
             model = build_model(config, layers="scan")
-        mesh = mesh_for(name.removeprefix("scan-"))
+        mesh = mesh_for(name.removeprefix("scan-").removeprefix("static-"))
         shardings = param_shardings(param_shapes(config), mesh, config)
         if kind != "smollm2":
             params = jax.device_put(host_params, shardings)
@@ -96,7 +101,10 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             params = store.params(info.name, shardings)  # restored straight onto the mesh
             for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
                 assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
-        engine = Engine(model, params, EngineOptions(slots=8, max_len=256, prefill_buckets=(16, 32, 64)), mesh=mesh)
+        paged = kind == "tiny-paged" and not name.startswith("static-")
+        kv = {"kv_layout": "paged", "block_size": 16} if paged else {}
+        options = EngineOptions(slots=8, max_len=256, prefill_buckets=(16, 32, 64), **kv)
+        engine = Engine(model, params, options, mesh=mesh)
         runner = InferenceRunner(engine).start(warmup=False)
         try:
             tokens = greedy(runner, prompts, max_tokens, stop_ids)

@@ -256,6 +256,7 @@ def test_metrics_expose_latencies_gauges_and_counters(serve):
         "hkserve_requests_running 0.0",
         "hkserve_requests_waiting 0.0",
         "hkserve_slots_total 4.0",
+        "hkserve_kv_blocks_total 0.0",  # the static layout: no pool
         "hkserve_prompt_tokens_total 1.0",
         "hkserve_generation_tokens_total 3.0",
         'hkserve_requests_total{finish_reason="length"} 1.0',

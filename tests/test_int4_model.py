@@ -14,6 +14,7 @@ from test_weights import TEXT
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.cli.eval_ppl import perplexity
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch
@@ -80,7 +81,9 @@ def test_smollm2_int4_perplexity_within_1_percent_of_float32_and_greedy_agreemen
         # hk_w4a8 at window 256; at 512 its int8 activation blocks give -1.6% (kernels/README.md)
         assert abs(ppl / ppl_f32 - 1) < 0.01
 
-    runner = InferenceRunner(Engine(build_model(config, kernels), params, slots=4, max_len=128)).start(warmup=False)
+    runner = InferenceRunner(Engine(build_model(config, kernels), params, EngineOptions(slots=4, max_len=128))).start(
+        warmup=False
+    )
     try:
         matched, total = 0, 0
         for case in golden["cases"]:
@@ -120,7 +123,7 @@ def test_an_int4_request_is_bit_identical_alone_or_among_others_in_the_engine():
     base = tiny_config(vocab_size=256)
     master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(2)))
     config, params = convert_params(master, base, "int4")
-    engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, slots=4, max_len=64)
+    engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, EngineOptions(slots=4, max_len=64))
     runner = InferenceRunner(engine).start(warmup=False)
     try:
         request = Request([5, 17, 33, 2, 64, 9, 11], 12)

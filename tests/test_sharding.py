@@ -47,6 +47,14 @@ def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tmp_path
     assert_meshes_agree(loop, ["1x8", "2x4", "scan-1x1"])
 
 
+@pytest.mark.timeout(1500)
+def test_the_paged_kv_layout_on_two_meshes_equals_single_device_and_the_static_layout(tmp_path):
+    """Blocks sharded on the model axis like the static memory; on 2x4 each data shard's slots take
+    only that shard's blocks (engine/block_pool.py)."""
+    paged = run_worker("tiny-paged", str(tmp_path / "paged.npz"))
+    assert_meshes_agree(paged, ["1x8", "2x4", "static-1x1"])
+
+
 @pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite
 @pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
 def test_smollm2_golden_cases_on_every_mesh_equal_single_device_and_reference(tmp_path, smollm2_home, golden):

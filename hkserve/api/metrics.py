@@ -10,7 +10,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class Metrics:
     def __init__(self, stats_fn):
-        """`stats_fn()` → RunnerStats(slots, running, waiting), read at scrape time."""
+        """`stats_fn()` → RunnerStats(slots, running, waiting, kv blocks total and used), read at scrape time."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -63,6 +63,10 @@ class Metrics:
         waiting.set_function(lambda: stats_fn().waiting)
         slots.set_function(lambda: stats_fn().slots)
         used.set_function(lambda: stats_fn().running / max(stats_fn().slots, 1))
+        blocks = Gauge("hkserve_kv_blocks_total", "Blocks of the paged KV pool (0: static layout)", registry=r)
+        held = Gauge("hkserve_kv_blocks_used", "Paged KV blocks held by running or cached slots", registry=r)
+        blocks.set_function(lambda: stats_fn().kv_blocks_total)
+        held.set_function(lambda: stats_fn().kv_blocks_used)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from hkserve.bench.clients import run_clients
+from hkserve.engine.kv_layout import DEFAULT_LAYOUT, LAYOUTS
 
 PROMPTS = [
     "Once upon a time, in a small village,",
@@ -48,6 +49,8 @@ def add_arguments(p) -> None:
         action="store_true",
         help="also measure an in-process runner with --prefill-rows 0 (one prompt per prefill call)",
     )
+    p.add_argument("--kv-layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="the server's KV layout")
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="the server's paged KV pool (MiB)")
     p.add_argument("--json", action="store_true")
 
 
@@ -70,12 +73,21 @@ def _health(port: int) -> int | None:
 
 
 @contextlib.contextmanager
-def serving(model: str, slots: int, max_queue: int, prefill_rows: int = 4, max_len: int = 2048, ready_within=1800):
-    """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process)."""
+def serving(
+    model: str,
+    slots: int,
+    max_queue: int,
+    prefill_rows: int = 4,
+    max_len: int = 2048,
+    ready_within=1800,
+    extra: tuple[str, ...] = (),
+):
+    """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process).
+    `extra`: more of serve's flags."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
     cmd += ["--slots", str(slots), "--max-queue", str(max_queue), "--prefill-rows", str(prefill_rows)]
-    cmd += ["--max-len", str(max_len)]
+    cmd += ["--max-len", str(max_len), *extra]
     print(f"starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
@@ -166,7 +178,8 @@ def run(args) -> int:
 
     levels = [int(x) for x in args.concurrency.split(",")]
     slots, max_queue = max(args.slots, max(levels)), 4 * max(levels) + 8
-    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len) as (url, _):
+    kv = ["--kv-layout", args.kv_layout] + (["--kv-cache-mb", str(args.kv_cache_mb)] if args.kv_cache_mb else [])
+    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=tuple(kv)) as (url, _):
         _phase(url, args.model, 1, 2, args.max_tokens)  # warm the HTTP path
         print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
         runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len)}
@@ -212,6 +225,8 @@ def run(args) -> int:
         "slots": slots,
         "prefill_rows": args.prefill_rows,
         "max_len": args.max_len,
+        "kv_layout": args.kv_layout,
+        "kv_cache_mb": args.kv_cache_mb,
         "cpus": os.cpu_count(),
     }
     if args.json:

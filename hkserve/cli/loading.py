@@ -12,6 +12,7 @@ from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import speculative
 from hkserve.engine.engine import Engine
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
@@ -38,6 +39,9 @@ class LoadOptions:
     prefill_rows: int = 4
     speculative: str = "off"
     num_speculative_tokens: int = SpecConfig.k
+    kv_layout: str = DEFAULT_LAYOUT  # kv_layout.py
+    kv_cache_mb: float | None = None  # None: kv_layout.py's default pool
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
@@ -73,6 +77,25 @@ def add_prefix_cache_argument(p) -> None:
     )
 
 
+def add_kv_arguments(p) -> None:
+    """--kv-layout, --kv-cache-mb, --kv-block-size on every command that serves a model (kv_layout.py)."""
+    p.add_argument(
+        "--kv-layout",
+        choices=LAYOUTS,
+        default=DEFAULT_LAYOUT,
+        help="static: every slot reserves --max-len positions of KV; paged: blocks from one pool of --kv-cache-mb, "
+        "given to requests as they grow (Transformer-VQ models keep their fixed-size memory either way)",
+    )
+    p.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=None,
+        help="paged: the KV pool's size in MiB (default: on a GPU what its memory holds after the weights, "
+        "on the CPU what --slots x --max-len static slots take)",
+    )
+    p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged: tokens per KV block")
+
+
 def prefix_cache_mode(requested: str | None, config) -> str:
     """--prefix-cache as given, else the default for a KV model and "off" for a Transformer-VQ one (whose
     compressed memory cannot be reused: asking for it explicitly is refused by the Engine)."""
@@ -95,6 +118,8 @@ def load_engine(options: LoadOptions, slots: int, hosts=None):
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     params = store.params(name, param_shardings(param_shapes(config), mesh, config), weights)
     kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
+    if hosts and options.kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
+        raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
     engine = Engine(
         build_model(config, kernels, None if options.layers == "auto" else options.layers),
         params,
@@ -105,6 +130,9 @@ def load_engine(options: LoadOptions, slots: int, hosts=None):
             prefill_rows=options.prefill_rows,
             structured=True,  # structured outputs and tool calls: their split step compiles in warmup
             prefix_cache=prefix_cache_mode(options.prefix_cache, config),
+            kv_layout=options.kv_layout,
+            kv_cache_mb=options.kv_cache_mb,
+            block_size=options.kv_block_size,
         ),
         mesh=mesh,
     )

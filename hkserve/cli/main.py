@@ -17,7 +17,7 @@ from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
 from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.cli.generate import run_generate
-from hkserve.cli.loading import add_layers_argument, add_prefix_cache_argument
+from hkserve.cli.loading import add_kv_arguments, add_layers_argument, add_prefix_cache_argument
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, add_web_argument, run_server
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_web_argument(p)
     add_prefix_cache_argument(p)
+    add_kv_arguments(p)
     add_limit_arguments(p.add_argument_group("client limits (what one client may cost the server)"))
     add_speculative_arguments(p)
     g = p.add_argument_group("multi-host (see docs/deploy.md)")

@@ -29,7 +29,13 @@ from tqdm import tqdm
 
 from hkserve.api.structured import output_spec
 from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
-from hkserve.cli.loading import LoadOptions, add_layers_argument, add_prefix_cache_argument, load_runner
+from hkserve.cli.loading import (
+    LoadOptions,
+    add_kv_arguments,
+    add_layers_argument,
+    add_prefix_cache_argument,
+    load_runner,
+)
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.requests import Overloaded, Request
@@ -60,6 +66,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_prefix_cache_argument(p)
+    add_kv_arguments(p)
 
 
 def line_id(index: int, record):

@@ -52,7 +52,14 @@ class Admission:
                     stream = self._waiting.popleft()
                 request = stream.request
                 scoring = request.prompt_logprobs is not None  # scores every prompt token: reuses nothing
-                slot, reuse = self.prefix.place(request.prompt_ids, free, lookup=not scoring)
+                worst = min(len(request.prompt_ids) + request.max_tokens, self.engine.max_len)
+                roomy = self._roomy(free, worst)
+                if not roomy:  # the pool cannot promise its worst case yet: it waits, first in line
+                    with self._lock:
+                        self._waiting.appendleft(stream)
+                    break
+                slot, reuse = self.prefix.place(request.prompt_ids, roomy, lookup=not scoring)
+                reuse = self._make_room(slot, reuse, worst, free)
                 free.remove(slot)
                 spent, taken = spent + len(request.prompt_ids) - (reuse.length if reuse else 0), taken + 1
                 stream.admitted_at = time.monotonic()
@@ -67,6 +74,37 @@ class Admission:
             self._prefill_failed([stream for group in groups.drain() for _, stream in group], None)
             raise
         return admitted
+
+    def _roomy(self, free: list[int], worst: int) -> list[int]:
+        """The free slots whose shard of a paged pool can promise a request `worst` positions once the
+        idle slots' cached blocks are evicted (all of them, static layout)."""
+        pool = self.engine.kv_pool
+        return free if pool is None else [s for s in free if pool.fits_evicting_idle(s, worst)]
+
+    def _make_room(self, slot: int, reuse: Reuse | None, worst: int, free: list[int]) -> Reuse | None:
+        """Paged: evict idle slots' cached blocks (least recently used first; the reused prefix's source
+        last, dropping the reuse) until slot's shard can promise `worst` positions, and promise them.
+        Returns the reuse that still holds."""
+        pool = self.engine.kv_pool
+        if pool is None:
+            return reuse
+        source = reuse.source if reuse else slot
+        idle = [s for s in free if s not in (slot, source) and pool.shard(s) == pool.shard(slot) and pool.held[s]]
+        for victim in [*self.prefix.by_age(idle), source]:
+            if pool.fits(slot, worst):
+                break
+            if victim == source and (victim == slot or victim not in free):
+                continue
+            if victim == source:
+                reuse = None
+            self._evict(victim)
+        pool.reserve(slot, worst)
+        return reuse
+
+    def _evict(self, slot: int) -> None:
+        """An idle slot's memory is dropped: its blocks are free and the prefix cache forgets it."""
+        self.engine.release(slot)
+        self.prefix.forget(slot)
 
     def _prefill_one(self, slot: int, stream: RequestStream, free: list[int], reuse: Reuse | None) -> list[InFlight]:
         """One prompt's own prefill: with its prefix's KV reused, a grammar's first mask, or its scores."""
@@ -83,7 +121,7 @@ class Admission:
                 pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
         except Exception as e:  # this request only: its slot stays free, the others go on
             self.grammars.release(slot)
-            self.prefix.forget(slot)
+            self._evict(slot)
             self._prefill_failed([stream], e)
             return []
         self.prefix.admitted(slot, request.prompt_ids, exact=request.prompt_logprobs is None)
@@ -92,6 +130,7 @@ class Admission:
         else:  # only the prompt's scores are wanted: the slot is free again at once
             self._prompt_only.append(stream)
             self.prefix.finished(slot, len(request.prompt_ids))
+            self.engine.release(slot, keep=self.prefix.mode != "off")
             free.insert(0, slot)
         return [InFlight([(slot, stream)], pending, False, scores)]
 
@@ -105,7 +144,7 @@ class Admission:
         except Exception as e:
             if len(group) == 1 or isinstance(e, DecodeStateLost):  # these requests only: their slots stay free
                 for slot, _ in group:
-                    self.prefix.forget(slot)
+                    self._evict(slot)
                 self._prefill_failed([stream for _, stream in group], e)
                 return []
             # Each alone, in the same program (same bits): only a request that fails alone fails.

@@ -21,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
+from hkserve.engine.paged_slots import PagedSlots
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
-from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks
+from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks, set_table
 from hkserve.engine.state import (
     ContextLengthError,
     DecodeState,
@@ -33,17 +34,19 @@ from hkserve.engine.state import (
     state_shardings,
     window_sizes,
 )
+from hkserve.engine.warmup import Warmup
 from hkserve.model.build import param_shapes
-from hkserve.model.memory import init_memory, reset_slot
+from hkserve.model.memory import reset_slot
 from hkserve.model.model import Model
 from hkserve.model.sampling import SamplingParams, TokenHistory, empty_history, make_settings, sample
 from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 
 
-class Engine:
+class Engine(PagedSlots, Warmup):
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
-    Not thread-safe: one thread (the runner's loop) calls it. A ServingEngine (protocols.py).
+    Not thread-safe: one thread (the runner's loop) calls it. A ServingEngine (protocols.py). Its paged
+    layout: paged_slots.py; the programs it compiles before serving: warmup.py.
     """
 
     supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
@@ -53,6 +56,7 @@ class Engine:
         slots, max_len, prefill_buckets, n_top = options.slots, options.max_len, options.prefill_buckets, options.n_top
         prefill_rows, structured, prefix_cache = options.prefill_rows, options.structured, options.prefix_cache
         split_masks = options.split_masks
+        kv_layout, kv_cache_mb, block_size = options.kv_layout, options.kv_cache_mb, options.block_size
         config = model.config
         self.structured = structured
         self.split_masks = jax.default_backend() != "cpu" if split_masks is None else split_masks
@@ -76,7 +80,8 @@ class Engine:
             shapes = jax.eval_shape(model.prepare, param_shapes(config))
             self.param_shardings = param_shardings(shapes, self.mesh, config)
             self.params = jax.jit(model.prepare, out_shardings=self.param_shardings)(self.params)
-        self.state_shardings = state_shardings(config, self.mesh)
+        self._size_pool(config, kv_layout, kv_cache_mb, block_size)
+        self.state_shardings = state_shardings(config, self.mesh, self.kv_layout)
         self.reset()
         self._compiled: dict = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
@@ -88,11 +93,12 @@ class Engine:
     def reset(self) -> None:
         """Fresh, empty decode state (all slots free)."""
         config = self.model.config
+        self._new_pool()
         # Made by a jitted function straight into its shardings: no host or single-device copy of the
         # memory, and valid when the mesh spans hosts (each host makes only its own shards).
         make = jax.jit(
             lambda: DecodeState(
-                init_memory(config, self.slots, self.max_len),
+                self._empty_memory(config),
                 jnp.zeros((self.slots,), jnp.int32),
                 jax.tree_util.tree_map(jnp.asarray, make_settings([SamplingParams()] * self.slots, config.vocab_size)),
                 empty_history(self.slots, config.vocab_size),
@@ -189,6 +195,12 @@ class Engine:
                 fn = self._sample_impl
                 in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
                 out_sh = (self.state_shardings, rep)
+            elif kind == "table":  # the host's block table into the (donated) state
+                fn = set_table
+                in_sh = (self.state_shardings, self._sharding("data", None))
+                out_sh = self.state_shardings
+                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
+                return self._compiled[key]
             elif kind == "copy":
                 fn = copy_prefix
                 in_sh = (self.state_shardings, rep, rep, rep, rep)
@@ -212,21 +224,6 @@ class Engine:
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         check_context(self.max_len, prompt_len, max_tokens)
 
-    def continuation_windows(self) -> tuple[int, ...]:
-        """Windows that the later chunks of a prompt longer than the largest bucket attend over."""
-        chunk = self.prefill_buckets[-1]
-        return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
-
-    def continuation_programs(self) -> list[tuple[int, int]]:
-        """(bucket, window) of every chunk that does not start a slot: a long prompt's later chunks, and
-        with prefix caching a suffix's chunks (any bucket, any window; exact: its one chunk shape)."""
-        if self.prefill_chunk:
-            chunk = self.prefill_chunk
-            return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
-        if self.prefix_cache == "on":
-            return [(b, w) for w in self.windows for b in self.prefill_buckets]
-        return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
-
     def _prefill_chunk(
         self,
         slot: int,
@@ -239,6 +236,7 @@ class Engine:
     ):
         """One chunk padded to `bucket` → its sampled-token output; with `following` (the prompt tokens
         after each of the chunk's), the scoring program → (output, scores) instead."""
+        self.sync_table()
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, : len(piece)] = piece
         slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
@@ -292,6 +290,7 @@ class Engine:
             reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
         )
         plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
+        self._assign(slot, len(prompt_ids), start if start and reuse.source == slot else 0)  # paged: its blocks
         try:
             if start:
                 self._copy_prefix(reuse.source, slot, prompt_ids[:start])
@@ -338,6 +337,7 @@ class Engine:
             np.asarray([dest], np.int32),
             np.asarray([len(prefix)], np.int32),
         )
+        self.sync_table()
         self.state = self._compiled_fn("copy", window)(self.state, *args)
         self.positions[dest] = len(prefix)
 
@@ -350,6 +350,7 @@ class Engine:
     def step(self, active: np.ndarray) -> PendingTokens:
         """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""
         active = np.asarray(active, bool)
+        self._grow(active)
         self.state, out = self._compiled_fn("step", self._step_window(active))(self.params, self.state, active)
         self.positions += active
         return PendingTokens(out)
@@ -360,6 +361,7 @@ class Engine:
         `split_masks` off it dispatches nothing, and `step_sample` runs the whole step at once."""
         active = np.asarray(active, bool)
         window = self._step_window(active)
+        self._grow(active)
         self.positions += active
         if not self.split_masks:
             return PendingLogits(None, active, window)
@@ -374,28 +376,3 @@ class Engine:
         else:
             self.state, out = self._compiled_fn("sample", 0)(self.state, forward.logits, forward.active, bitmask)
         return PendingTokens(out)
-
-    def warmup(self) -> None:
-        """Compile now, not on a request (when a compile would stall every slot): each prefill bucket,
-        each continuation window of long prompts, each decode window: len(buckets) + 2 × len(windows)
-        programs, whatever the number of slots (the step is one program for all of them), plus the
-        batched-prefill rows programs, the prefix cache's suffix and copy programs and the split step
-        of constrained batches where those are on."""
-        for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
-            self.prefill(0, [0] * bucket)
-        row = make_settings([SamplingParams()], self.model.config.vocab_size)
-        for bucket, window in self.continuation_programs():  # one token each: compiles, writes little
-            self._prefill_chunk(0, [0], window, bucket, row)
-        self.row_prefill.warmup()
-        if self.prefix_cache != "off":
-            for window in self.windows:
-                self._copy_prefix(0, 0, [0] * window)
-            self.positions[0] = 0
-        only_first = np.eye(self.slots, dtype=bool)[0]
-        for w in self.windows:
-            self.positions[0] = w - 1
-            self.step(only_first).read()
-            if self.structured:  # the split step of grammar-constrained batches
-                self.positions[0] = w - 1
-                self.step_sample(self.step_forward(only_first), self._all_allowed_rows).read()
-        self.positions[:] = 0

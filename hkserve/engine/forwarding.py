@@ -24,6 +24,11 @@ class ForwardsQueries:
     prefix_cache = _query(lambda e: e.prefix_cache)
     prefill_chunk = _query(lambda e: e.prefill_chunk)
     positions = _query(lambda e: e.positions)  # [B], mutated in place by the wrappers
+    kv_layout = _query(lambda e: e.kv_layout)
+    kv_pool = _query(lambda e: e.kv_pool)
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         self.inner.check_fits(prompt_len, max_tokens)
+
+    def release(self, slot: int, keep: bool = False) -> None:
+        self.inner.release(slot, keep)

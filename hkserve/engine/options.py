@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT
+
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
@@ -13,7 +15,9 @@ class EngineOptions:
     its programs compile on the first constrained step). `split_masks`: run that step as two programs,
     so the host fills the masks while the model half runs (the default on accelerators), or as one
     program once the masks are filled (the default on the CPU, where the host shares the cores with the
-    "device" and the split costs more than the overlap gains: docs/benchmarks.md)."""
+    "device" and the split costs more than the overlap gains: docs/benchmarks.md). `kv_layout` "paged":
+    KV in blocks of `block_size` tokens from one pool of `kv_cache_mb` MiB (kv_layout.py; None: its
+    default), given to slots as they grow (block_pool.py)."""
 
     slots: int = 1  # decode rows
     max_len: int = 2048  # tokens per slot (at most the model's context)
@@ -23,3 +27,6 @@ class EngineOptions:
     structured: bool = False
     prefix_cache: str = "off"  # prefix_cache.MODES
     split_masks: bool | None = None  # None: by backend (see above)
+    kv_layout: str = DEFAULT_LAYOUT  # "static" (slots x max_len reserved) | "paged" (kv_layout.py)
+    kv_cache_mb: float | None = None  # paged: the pool's size (None: kv_layout.py's default)
+    block_size: int = DEFAULT_BLOCK_SIZE  # paged: tokens per block

@@ -104,6 +104,9 @@ class RowPrefill:
         rows = np.full(p, engine.slots, np.int32)  # padding rows: an out-of-range slot
         for i, (slot, prompt) in enumerate(zip(slots, prompts)):
             tokens[i, : len(prompt)], lengths[i], rows[i] = prompt, len(prompt), slot
+        for slot, prompt in zip(slots, prompts):  # paged: each slot's blocks (raises before device work)
+            engine._assign(slot, len(prompt))
+        engine.sync_table()
         filled = list(settings) + [None] * (p - len(prompts))
         table = make_settings([s or SamplingParams() for s in filled], vocab)
         engine.state, out = self._fn()(engine.params, engine.state, tokens, lengths, rows, table)

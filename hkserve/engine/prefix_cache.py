@@ -95,6 +95,10 @@ class PrefixCache:
         self.hit += length
         return Placement(best if best in free else lru, Reuse(best, length))
 
+    def by_age(self, slots: list[int]) -> list[int]:
+        """`slots`, least recently used first (the order a paged pool evicts idle slots' blocks in)."""
+        return sorted(slots, key=lambda s: self._records[s].used)
+
     def admitted(self, slot: int, prompt: list[int], exact: bool = True) -> None:
         """The prompt was prefilled into `slot` (every prefill starts a slot afresh); not `exact` when
         another program than the plain prefill computed its KV (a scoring prefill)."""

@@ -1,5 +1,5 @@
 """Prefix caching's device side: how a prompt is cut into prefill chunks, and the copy of a cached
-prefix's KV rows from one slot to another.
+prefix's KV rows (paged: blocks) from one slot to another; and the paged memory's table update.
 
 The copy is one compiled program per attention window (the rows copied are the window's, fixed-shape;
 those past the prefix are never read, since the slot's step says where its memory ends), with the
@@ -18,6 +18,7 @@ import numpy as np
 
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.memory import KVMemory
+from hkserve.model.paged_memory import PagedKVMemory
 from hkserve.model.sampling import TokenHistory
 
 EXACT_CHUNK = 64  # the "exact" mode's one prefill shape: every chunk has these many tokens, at multiples of it
@@ -79,7 +80,7 @@ def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, le
     """Slot dest [1] starts with the first length [1] positions of slot source [1]'s KV (tokens [W], the
     prefix padded to the copied window W, are what its penalties see as prompt); its generated-token
     counts start at zero. Returns the decode state with only dest's rows changed."""
-    memory: KVMemory = state.memory
+    memory: KVMemory | PagedKVMemory = state.memory
     w = tokens.shape[0]
     zero = jnp.int32(0)
 
@@ -89,8 +90,22 @@ def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, le
         )
         return jax.lax.dynamic_update_slice(cache, rows, (zero, dest[0], zero, zero, zero))
 
-    memory = KVMemory(copy(memory.k), copy(memory.v), memory.step.at[dest].set(length))
+    def copy_blocks(cache):  # [L, NB, bs, Hkv, Dh]: the window's blocks of source onto dest's own
+        n = -(-w // cache.shape[2])
+        src, dst = memory.table[source[0], :n], memory.table[dest[0], :n]  # [n]; NB where not held
+        return cache.at[:, dst].set(jnp.take(cache, src, axis=1, mode="clip"), mode="drop")
+
+    if isinstance(memory, PagedKVMemory):  # step 2 of issue 34 shares the full blocks instead
+        memory = memory._replace(k=copy_blocks(memory.k), v=copy_blocks(memory.v))
+    else:
+        memory = memory._replace(k=copy(memory.k), v=copy(memory.v))
+    memory = memory._replace(step=memory.step.at[dest].set(length))
     vocab = state.history.in_prompt.shape[1]
     seen = jnp.zeros((vocab,), bool).at[jnp.where(jnp.arange(w) < length[0], tokens, vocab)].set(True, mode="drop")
     history = TokenHistory(state.history.counts.at[dest].set(0), state.history.in_prompt.at[dest].set(seen))
     return state._replace(memory=memory, history=history)
+
+
+def set_table(state, table: jax.Array):
+    """The decode state with the paged memory's block table [B, MB] replaced by the host's."""
+    return state._replace(memory=state.memory._replace(table=table))

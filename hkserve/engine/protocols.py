@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import Request, RequestStream
 from hkserve.engine.spec_policy import SpecCounts
@@ -25,6 +26,8 @@ class RunnerStats(NamedTuple):
     slots: int
     running: int
     waiting: int
+    kv_blocks_total: int = 0  # paged KV layout: the pool's blocks (0: static layout)
+    kv_blocks_used: int = 0  # of those, held by slots (running, or kept for the prefix cache)
 
 
 class Pending(Protocol):
@@ -44,6 +47,8 @@ class ServingEngine(Protocol):
     prefill_chunk: int | None  # the fixed prefill chunk of prefix_cache "exact" (the reuse granule), else None
     supports_grammars: bool  # whether step_forward / step_sample and a first-token bitmask are honoured
     positions: np.ndarray  # [B] host mirror of each slot's position
+    kv_layout: str  # "static" | "paged" (kv_layout.py)
+    kv_pool: BlockPool | None  # paged: the host's block pool, which admission promises blocks from; else None
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None: ...
 
@@ -64,6 +69,10 @@ class ServingEngine(Protocol):
     def step_forward(self, active: np.ndarray) -> Any: ...
 
     def step_sample(self, forward: Any, bitmask: np.ndarray) -> Pending: ...
+
+    def release(self, slot: int, keep: bool = False) -> None:
+        """The request in `slot` ended: its paged blocks go back to the pool unless `keep` (prefix cache)."""
+        ...
 
     def reset(self) -> None: ...
 

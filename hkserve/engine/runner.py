@@ -247,13 +247,16 @@ class InferenceRunner(Admission):
     def _publish_stats(self) -> None:
         with self._lock:
             waiting = len(self._waiting)
-        self._stats = RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), waiting)
+        pool = self.engine.kv_pool
+        blocks = (pool.total, pool.used) if pool is not None else (0, 0)
+        self._stats = RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), waiting, *blocks)
 
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)
         if slot is not None:
             if self._slots[slot] is not None:
                 self.prefix.finished(slot, self._slots[slot].length)
+                self.engine.release(slot, keep=self.prefix.mode != "off")
             self._slots[slot] = None
             self.grammars.release(slot)
 

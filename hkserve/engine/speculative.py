@@ -91,6 +91,8 @@ class SpeculativeEngine(ForwardsQueries):
     def __init__(self, engine: Engine, config: SpecConfig | None = None):
         if engine.model.config.memory != "kv":
             raise ValueError("speculative decoding needs a KV memory (a VQ memory cannot drop rejected tokens)")
+        if engine.kv_layout == "paged":
+            raise ValueError("speculative decoding runs on the static KV layout for now (use --kv-layout static)")
         self.inner: Engine = engine  # its queries (slots, max_len, positions, ...) are forwarded: ForwardsQueries
         self.config = config or SpecConfig()
         self.policy = SpecPolicy(self.config, engine.slots)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from hkserve.model.config import ModelConfig
 from hkserve.model.memory import KVMemory
+from hkserve.model.paged_memory import PagedKVMemory
 from hkserve.model.sampling import SampleSettings, TokenHistory
 from hkserve.model.sharding import memory_shardings
 from hkserve.model.vq_memory import VQMemory
@@ -55,7 +56,7 @@ class DecodeStateLost(RuntimeError):
 
 
 class DecodeState(NamedTuple):
-    memory: KVMemory | VQMemory  # by config.memory
+    memory: KVMemory | PagedKVMemory | VQMemory  # by config.memory and the engine's kv layout
     tokens: jax.Array  # [B] int32: each slot's last sampled token, the input of the next step
     settings: SampleSettings  # [B] per-slot sampling settings ([B, V] logit bias)
     history: TokenHistory  # [B, V] what the penalties see
@@ -70,11 +71,11 @@ def window_sizes(max_len: int, smallest: int = 128) -> tuple[int, ...]:
     return tuple(sizes) + (max_len,)
 
 
-def state_shardings(config: ModelConfig, mesh: Mesh) -> DecodeState:
+def state_shardings(config: ModelConfig, mesh: Mesh, layout: str = "static") -> DecodeState:
     """Where the decode state lives: per-slot rows over "data", the memory as model/sharding.py says."""
     rows, table = NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", None))
     settings = SampleSettings(*([rows] * (len(SampleSettings._fields) - 1)), logit_bias=table)
-    return DecodeState(memory_shardings(config, mesh), rows, settings, TokenHistory(table, table))
+    return DecodeState(memory_shardings(config, mesh, layout), rows, settings, TokenHistory(table, table))
 
 
 def check_options(config: ModelConfig, prefix_cache: str, modes: tuple[str, ...]) -> None:

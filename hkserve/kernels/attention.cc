@@ -1,4 +1,7 @@
-// Decode attention (one new token per row) that reads the KV memory where it lies.
+// Decode attention (one new token per row) that reads the KV memory where it lies: the static
+// memory [L, B, S, Hkv, Dh] or the paged pool [L, NB, bs, Hkv, Dh] through each row's block table
+// (hkserve/model/paged_memory.py). Only where a position's record lies differs; the arithmetic is
+// one code path, so both layouts give the same bits.
 //
 // XLA's CPU dots need each layer's past keys and values as a contiguous, transposed
 // [B, Hkv, W, Dh] copy (and the values concatenated with the new one) before they can multiply:
@@ -77,8 +80,10 @@ __attribute__((target("avx2,fma"))) float exp_shifted(float* x, int64_t n, float
 }
 
 struct Rows {
-  int64_t b, h, g, d, s;  // rows, kv heads, query heads per kv head, head dim, memory positions
-  const float *q, *k_new, *v_new, *k, *v;  // q [B,H,G,D]; new [B,H,D]; memory at the layer [B,S,H,D]
+  int64_t b, h, g, d, s;  // rows, kv heads, query heads per kv head, head dim, memory positions per row
+  const float *q, *k_new, *v_new, *k, *v;  // q [B,H,G,D]; new [B,H,D]; memory at the layer [B,S,H,D] or [NB,bs,H,D]
+  const int32_t* table = nullptr;          // paged: [B, S / bs] block of each row's bs positions
+  int64_t bs = 0;                          // paged: positions per block
   const int32_t* past_len;                // [B]
   int32_t window;                         // > 0: only the last `window` positions, the new one included
   float cap;                              // > 0: cap * tanh(score / cap)
@@ -90,16 +95,23 @@ struct Scratch {
   std::vector<float> scores;
 };
 
+// Where row b's position s lies in the memory, in [H, D] records: its own rows of S, or a block's.
+inline int64_t record(const Rows& r, int64_t b, int64_t s) {
+  if (r.table == nullptr) return b * r.s + s;
+  return int64_t{r.table[b * (r.s / r.bs) + s / r.bs]} * r.bs + s % r.bs;
+}
+
 __attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, Scratch& t) {
   const int64_t b = item / r.h, h = item % r.h, stride = r.h * r.d;
   const int64_t len = std::clamp<int64_t>(r.past_len[b], 0, r.s);
   const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window + 1) : 0;
   const int64_t n = len - lo + 1, padded = (n + 7) / 8 * 8;
-  const float* kb = r.k + b * r.s * stride + h * r.d;  // position s at kb + s * stride
-  const float* vb = r.v + b * r.s * stride + h * r.d;
   t.keys.assign(padded, r.k_new + (b * r.h + h) * r.d);  // the new token's key, and the padding
   t.values.resize(n);
-  for (int64_t s = lo; s < len; ++s) t.keys[s - lo] = kb + s * stride, t.values[s - lo] = vb + s * stride;
+  for (int64_t s = lo; s < len; ++s) {
+    const int64_t at = record(r, b, s) * stride + h * r.d;
+    t.keys[s - lo] = r.k + at, t.values[s - lo] = r.v + at;
+  }
   t.values[n - 1] = r.v_new + (b * r.h + h) * r.d;
   t.scores.resize(padded);
   for (int64_t g = 0; g < r.g; ++g) {
@@ -117,26 +129,7 @@ __attribute__((target("avx2,fma"))) void attend(const Rows& r, int64_t item, Scr
   }
 }
 
-ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> past_len,
-                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> y, float cap,
-                            int64_t threads) {
-  auto qd = q.dimensions(), md = k.dimensions();
-  if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[1] != qd[0] || md[3] != qd[1] ||
-      md[4] != qd[3] || qd[3] % 16 || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
-      v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
-      layer.element_count() != 1 || window.element_count() != 1)
-    return ffi::Error::InvalidArgument(
-        "hk decode attention: q [B,H,G,D] (D a multiple of 16), new k/v [B,H,D], memory [L,B,S,H,D], "
-        "past_len [B], layer and window scalars");
-  int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= md[0]) return ffi::Error::InvalidArgument("hk decode attention: layer index out of range");
-  Rows r{qd[0], qd[1], qd[2], qd[3], md[2]};
-  const int64_t at = l * md[1] * md[2] * md[3] * md[4];
-  r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
-  r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
-  r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
+void run(ffi::ThreadPool& pool, const Rows& r, int64_t threads) {
   threads = hk::call_threads(pool, threads);
   // With rows enough for the threads, a row's kv heads are one work item: its positions are then read
   // in the memory's own order, each position's heads side by side ([S, H, D] of that row), where an
@@ -148,6 +141,40 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     thread_local Scratch scratch;
     for (int64_t i = item * heads; i < (item + 1) * heads; ++i) attend(r, i, scratch);
   });
+}
+
+// table [B, MB] int32: MB = 0 for the static memory [L, B, S, H, D]; else the memory is a paged pool
+// [L, NB, bs, H, D], and every block a row can see (its positions < past_len) must be a pool block.
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> past_len,
+                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> y, float cap, int64_t threads) {
+  auto qd = q.dimensions(), md = k.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || md.size() != 5 || v.element_count() != k.element_count() || md[3] != qd[1] ||
+      md[4] != qd[3] || qd[3] % 16 || k_new.element_count() != qd[0] * qd[1] * qd[3] ||
+      v_new.element_count() != k_new.element_count() || past_len.element_count() != qd[0] ||
+      layer.element_count() != 1 || window.element_count() != 1 || td.size() != 2 || td[0] != qd[0] ||
+      (td[1] == 0 && md[1] != qd[0]))
+    return ffi::Error::InvalidArgument(
+        "hk decode attention: q [B,H,G,D] (D a multiple of 16), new k/v [B,H,D], memory [L,B,S,H,D] with table "
+        "[B,0] or a pool [L,NB,bs,H,D] with table [B,MB], past_len [B], layer and window scalars");
+  int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= md[0]) return ffi::Error::InvalidArgument("hk decode attention: layer index out of range");
+  Rows r{qd[0], qd[1], qd[2], qd[3], md[2]};
+  const int64_t at = l * md[1] * md[2] * md[3] * md[4];
+  r.q = q.typed_data(), r.k_new = k_new.typed_data(), r.v_new = v_new.typed_data();
+  r.k = k.typed_data() + at, r.v = v.typed_data() + at, r.past_len = past_len.typed_data();
+  r.window = window.typed_data()[0], r.cap = cap, r.y = y->typed_data();
+  if (td[1] > 0) {  // paged
+    r.bs = md[2], r.s = td[1] * r.bs, r.table = table.typed_data();
+    for (int64_t b = 0; b < r.b; ++b) {
+      const int64_t held = (std::clamp<int64_t>(r.past_len[b], 0, r.s) + r.bs - 1) / r.bs;
+      for (int64_t j = 0; j < held; ++j)
+        if (r.table[b * td[1] + j] < 0 || r.table[b * td[1] + j] >= md[1])
+          return ffi::Error::InvalidArgument("hk decode attention: a row's past lies in a block outside the pool");
+    }
+  }
+  run(pool, r, threads);
   return ffi::Error::Success();
 }
 
@@ -161,6 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkDecodeAttention, decode_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k memory
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v memory
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block table ([B, 0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // past_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window

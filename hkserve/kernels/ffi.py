@@ -88,20 +88,25 @@ def decode_attention(
     window: jax.Array,
     cap: float = 0.0,
     threads: int = 0,
+    table: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one new token per row (kernels/attention.cc): q [B, Hkv, G, D] (rotated and scaled),
     the new token's k_new/v_new [B, Hkv, D], and the float32 memory [L, B, S, Hkv, D] of which layer
-    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D]."""
+    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D].
+    With `table` [B, MB] int32 the memory is a paged pool [L, NB, bs, Hkv, D] and row b's position s
+    lies in block table[b, s // bs] (model/paged_memory.py)."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
     call = jax.ffi.ffi_call(ATTENTION[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    blocks = jnp.zeros((q.shape[0], 0), jnp.int32) if table is None else i32(table)  # [B, 0]: the static memory
     return call(
         q.astype(jnp.float32),
         k_new.astype(jnp.float32),
         v_new.astype(jnp.float32),
         k_memory,
         v_memory,
+        blocks,
         i32(layer),
         i32(past_len),
         i32(window),

@@ -70,7 +70,8 @@ class Attention(hk.Module):
     def __call__(self, x, positions, k_past, v_past, past_len, window, theta, memory=None):
         """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
         window: this layer's sliding window (0 = none); theta: its RoPE base. `memory` (decode with the
-        CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer) read in place instead of k_past/v_past.
+        CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer, None) read in place instead of k_past/v_past, or
+        a paged pool's (k [L,NB,bs,Hkv,Dh], v, layer, table [B,MB]) read through the block table.
 
         Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
         """
@@ -94,7 +95,10 @@ class Attention(hk.Module):
 
         if memory is not None:
             threads = dispatch.active().threads
-            out = ffi.decode_attention(q[:, 0], k[:, 0], v[:, 0], *memory, past_len, window, c.attn_logit_cap, threads)
+            k_memory, v_memory, layer, table = memory
+            out = ffi.decode_attention(
+                q[:, 0], k[:, 0], v[:, 0], k_memory, v_memory, layer, past_len, window, c.attn_logit_cap, threads, table
+            )
             out = Linear(c.dim, param_dtype(c), "o_proj")(out.reshape(b, t, c.n_heads * c.head_dim))
             return out, k, v
         neg = jnp.finfo(F32).min

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from hkserve.model import layer_loop
 from hkserve.model.config import ModelConfig
 from hkserve.model.memory import KVMemory
+from hkserve.model.paged_memory import PagedKVMemory
 from hkserve.model.vq_memory import VQMemory
 
 # (path regex, spec, unit) — the spec lists one entry per dim; "model" = shard that dim when the
@@ -130,20 +131,24 @@ def param_shardings(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dic
 
 
 def memory_spec(config: ModelConfig, mesh: Mesh) -> P:
-    """Spec of K and V [L, B, S, Hkv, Dh]."""
+    """Spec of K and V [L, B, S, Hkv, Dh] (a paged pool's [L, NB, bs, Hkv, Dh] alike)."""
     heads = "model" if config.n_kv_heads % mesh.shape["model"] == 0 else None
     return P(None, "data", None, heads, None)
 
 
-def memory_shardings(config: ModelConfig, mesh: Mesh):
+def memory_shardings(config: ModelConfig, mesh: Mesh, layout: str = "static"):
     """KVMemory of NamedShardings: k, v per `memory_spec`, step [B] on "data". For memory="vq" a
-    VQMemory: slots on "data", heads on "model" when divisible."""
+    VQMemory: slots on "data", heads on "model" when divisible. For layout "paged" a PagedKVMemory:
+    the pool's blocks [L, NB, bs, Hkv, Dh] on "data" (each data shard its own blocks, for its own
+    slots: engine/block_pool.py), heads as the static memory's, and the table's rows on "data"."""
     if config.memory == "vq":
         heads = "model" if config.n_heads % mesh.shape["model"] == 0 else None
         per_code = NamedSharding(mesh, P(None, "data", heads, None))  # z_win [G,B,H,M], n [G,B,H,S]
         per_value = NamedSharding(mesh, P(None, "data", heads, None, None))  # v_win, u_mean [G,B,H,*,dv]
         return VQMemory(NamedSharding(mesh, P("data")), per_code, per_value, per_code, per_value)
     kv = NamedSharding(mesh, memory_spec(config, mesh))
+    if layout == "paged":
+        return PagedKVMemory(kv, kv, NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", None)))
     return KVMemory(kv, kv, NamedSharding(mesh, P("data")))
 
 

@@ -23,10 +23,18 @@ from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dty
 from hkserve.model.memory import KVMemory, init_memory
 from hkserve.model.model import Model
 from hkserve.model.packing import pack_params
+from hkserve.model.paged_memory import PagedKVMemory, read_past, write_new
 
 
 def _decoder(
-    config: ModelConfig, layers: str, tokens, memory: KVMemory, lengths, slots, attend_len: int, last_only: bool
+    config: ModelConfig,
+    layers: str,
+    tokens,
+    memory: KVMemory | PagedKVMemory,
+    lengths,
+    slots,
+    attend_len: int,
+    last_only: bool,
 ):
     c = config
     dtype, ndtype = param_dtype(c), norm_dtype(c)
@@ -46,6 +54,10 @@ def _decoder(
         with layer_weights.at_layer(layer):
             return _block(x, layer, window, theta)
 
+    paged = isinstance(memory, PagedKVMemory)
+    # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
+    # given its blocks back while its step still counts them).
+    seen = jnp.where(lengths > 0, past_len, 0) if paged else past_len  # [b]
     # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc).
     in_place = (
         dispatch.active() is not None
@@ -58,7 +70,14 @@ def _decoder(
     def _block(x, layer, window, theta):
         if in_place:
             k_past = v_past = None
-            held = (memory.k, memory.v, layer)
+            held = (memory.k, memory.v, layer, memory.table if paged else None)
+        elif paged:  # gather the rows' blocks up to the window (paged_memory.py)
+            table = memory.table[rows]  # [b, MB]
+            k_past, v_past = (
+                read_past(jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False), table, attend_len)
+                for cache in (memory.k, memory.v)
+            )  # [b, W, Hkv, Dh]
+            held = None
         else:  # read this layer's past straight from the memory (no stacked copy of the window is made)
             k_past = jax.lax.dynamic_index_in_dim(memory.k, layer, 0, keepdims=False)  # [B, S, Hkv, Dh]
             v_past = jax.lax.dynamic_index_in_dim(memory.v, layer, 0, keepdims=False)
@@ -67,7 +86,7 @@ def _decoder(
             else:
                 k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
             held = None
-        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held)
+        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, seen, window, theta, held)
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
         x = x + h
@@ -96,12 +115,16 @@ def _decoder(
     # Write the new keys once, outside the scan, so the donated memory is updated in place.
     # Padding (t >= lengths[b]) goes to index S, which mode="drop" discards.
     t_idx = jnp.arange(t, dtype=jnp.int32)[None, :]
-    write_pos = jnp.where(t_idx < lengths[:, None], positions, memory.max_len)  # [B, T]
-    memory = KVMemory(
-        k=memory.k.at[:, rows[:, None], write_pos].set(k_new.astype(memory.k.dtype), mode="drop"),
-        v=memory.v.at[:, rows[:, None], write_pos].set(v_new.astype(memory.v.dtype), mode="drop"),
-        step=memory.step.at[rows].add(lengths.astype(jnp.int32)),
-    )
+    real = t_idx < lengths[:, None]  # [B, T]
+    if paged:
+        memory = write_new(memory, rows, positions, real, k_new, v_new)
+    else:
+        write_pos = jnp.where(real, positions, memory.max_len)  # [B, T]
+        memory = memory._replace(
+            k=memory.k.at[:, rows[:, None], write_pos].set(k_new.astype(memory.k.dtype), mode="drop"),
+            v=memory.v.at[:, rows[:, None], write_pos].set(v_new.astype(memory.v.dtype), mode="drop"),
+        )
+    memory = memory._replace(step=memory.step.at[rows].add(lengths.astype(jnp.int32)))
 
     if last_only:  # prefill samples from the last real token only: skip the [T, V] head matmul
         last = jnp.maximum(lengths - 1, 0)
@@ -154,7 +177,13 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layer
         return plain.init(rng, *init_args())
 
     def forward(
-        params, tokens, memory: KVMemory, lengths, slots=None, attend_len: int | None = None, last_only: bool = False
+        params,
+        tokens,
+        memory: KVMemory | PagedKVMemory,
+        lengths,
+        slots=None,
+        attend_len: int | None = None,
+        last_only: bool = False,
     ):
         """tokens: [b, T] int32; lengths: [b]; slots: [b] memory slots of the rows (default: row i is
         slot i, b = B). Returns (logits [b,T,V], or [b,V] if last_only, and the updated memory).

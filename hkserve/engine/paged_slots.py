@@ -1,0 +1,75 @@
+"""The Engine's paged-layout half: its pool's size, the host block pool (block_pool.py) that follows
+the slots' lengths, and the device's copy of the block table.
+
+A mixin of Engine (engine.py), called by the thread that owns the engine. Every method that writes a
+slot's memory first gives the slot its blocks on the host (raising PoolExhausted before any device
+work) and then `sync_table` brings the device's table up to date, in one small donated call only
+when the host's changed. Under the static layout `kv_pool` is None and all of this does nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hkserve.engine.block_pool import BlockPool
+from hkserve.engine.kv_layout import check_layout, pool_blocks
+from hkserve.model.config import ModelConfig
+from hkserve.model.memory import init_memory
+from hkserve.model.paged_memory import init_paged_memory
+
+
+class PagedSlots:
+    """Engine's paged-layout state (see the module docstring); Engine provides mesh, slots, max_len,
+    positions, state and _compiled_fn."""
+
+    kv_pool: BlockPool | None
+
+    def _size_pool(self, config: ModelConfig, layout: str, kv_cache_mb: float | None, block_size: int) -> None:
+        self.kv_layout = check_layout(config, layout, block_size, kv_cache_mb)
+        self.block_size, self.kv_blocks = block_size, 0
+        if self.kv_layout == "paged":
+            model = self.mesh.shape["model"]
+            heads = model if config.n_kv_heads % model == 0 else 1
+            self.kv_blocks = pool_blocks(
+                config, kv_cache_mb, self.slots, self.max_len, block_size, self.mesh.shape["data"], heads
+            )
+
+    def _empty_memory(self, config: ModelConfig):
+        """A fresh memory of the engine's layout (traced inside the jitted reset), for a fresh pool."""
+        if self.kv_layout != "paged":
+            return init_memory(config, self.slots, self.max_len)
+        return init_paged_memory(config, self.slots, self.kv_blocks, self.block_size, self.max_len)
+
+    def _new_pool(self) -> None:
+        """Every block free (with a fresh memory); None under the static layout."""
+        self.kv_pool = None
+        if self.kv_layout == "paged":
+            max_blocks = -(-self.max_len // self.block_size)
+            self.kv_pool = BlockPool(self.kv_blocks, self.block_size, self.slots, max_blocks, self.mesh.shape["data"])
+
+    def sync_table(self) -> None:
+        """The device's block table made the host's, where it changed."""
+        if self.kv_pool is not None and self.kv_pool.dirty:
+            self.state = self._compiled_fn("table", 0)(self.state, self.kv_pool.table)
+            self.kv_pool.dirty = False
+
+    def _assign(self, slot: int, tokens: int, keep: int = 0) -> None:
+        """Slot `slot` starts afresh with `tokens` positions, its first `keep` kept (a prefix reused in place)."""
+        if self.kv_pool is not None:
+            self.kv_pool.truncate(slot, keep)
+            self.kv_pool.grow(slot, tokens)
+
+    def _grow(self, active: np.ndarray) -> None:
+        """Each active slot holds a block for the position its step writes."""
+        if self.kv_pool is not None:
+            for slot in np.flatnonzero(active):
+                self.kv_pool.grow(int(slot), int(self.positions[slot]) + 1)
+            self.sync_table()
+
+    def release(self, slot: int, keep: bool = False) -> None:
+        """The request in `slot` ended: its blocks go back to the pool, unless `keep` (the prefix cache
+        may reuse them; admission counts them until the slot is taken again)."""
+        if self.kv_pool is not None:
+            self.kv_pool.reserve(slot, 0)
+            if not keep:
+                self.kv_pool.drop(slot)
