@@ -1,6 +1,6 @@
 """Prefix reuse at its edges, on the tiny random model (issue 38): a cached record and a new prompt that
 differ only at the record's last token, and a prefix copied into a slot that held an unrelated request,
-with penalties that read the slot's token history."""
+with penalties that read the slot's token history. The host record's own checks: test_prefix_record.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fake_engine import events, token_ids
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
-from hkserve.engine.prefix_cache import PrefixCache, Reuse, common_prefix
+from hkserve.engine.prefix_cache import PrefixCache, Reuse
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
@@ -25,35 +25,6 @@ PARAMS = MODEL.init(jax.random.PRNGKey(11))
 RNG = random.Random(38)
 SYSTEM = [RNG.randrange(VOCAB) for _ in range(150)]  # longer than two exact-mode chunks of 64
 PENALIZED = SamplingParams(repetition_penalty=1.6, presence_penalty=1.5, frequency_penalty=0.5)
-
-
-# -- the host record ---------------------------------------------------------------------------------
-def test_common_prefix_stops_at_the_first_difference_wherever_it_is():
-    a = [3, 1, 4, 1, 5]
-    assert common_prefix(a, a) == 5
-    assert common_prefix(a, [3, 1, 4, 1, 6]) == 4  # differ at the shorter list's last token
-    assert common_prefix(a, [3, 1, 4, 1, 6, 9]) == 4
-    assert common_prefix([3, 1, 4, 1, 6, 9], a) == 4
-    assert common_prefix(a, [0]) == 0 and common_prefix(a, []) == 0
-    assert common_prefix(a, a + [2]) == 5
-
-
-def test_a_prompt_differing_only_at_the_records_last_token_reuses_one_token_less():
-    cache = PrefixCache(2, "on", min_reuse=4)
-    record = list(range(10, 30))  # 20 tokens
-    cache.admitted(0, record)
-    cache.finished(0, 20)
-    changed = record[:-1] + [99, 5, 6]
-    assert cache.usable(0, changed) == 19
-    assert cache.place(changed, [0, 1]) == (0, Reuse(0, 19))
-    assert cache.usable(0, record[:-1] + [99]) == 19  # the new prompt as long as the record
-    # The record's last valid token is a generated one: the delivered token past it was never written.
-    cache.admitted(1, record[:8])
-    for t in (40, 41, 42):
-        cache.delivered(1, t)
-    cache.finished(1, 10)  # prompt + 40, 41 written
-    assert cache.usable(1, record[:8] + [40, 77, 1]) == 9
-    assert cache.usable(1, record[:8] + [40, 41, 42, 1]) == 10
 
 
 # -- the engine and the runner --------------------------------------------------------------------------
