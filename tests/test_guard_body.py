@@ -44,9 +44,17 @@ def test_messages_without_a_body_count_as_empty():
     assert app.received[0]["body"] == b"abc"
 
 
+def test_a_message_without_more_body_ends_the_body():
+    app = Recorder()
+    assert response(drive(app, [{"type": "http.request", "body": b"abc"}], LIMITS))[::2] == (200, b"ok")
+    assert app.received[0]["body"] == b"abc"
+
+
 def test_a_declared_length_is_refused_before_reading_only_past_the_limit():
     for declared, status in ((b"101", 413), (b"100", 200), (b"x101", 200)):  # not digits: the count decides
         app = Recorder()
         sent = drive(app, body_messages([b"x" * 100]), LIMITS, headers=[(b"content-length", declared)])
         assert response(sent)[0] == status, declared
         assert (app.received == []) == (status == 413)
+        if status == 413:
+            assert error(sent)["message"] == "request body larger than 100 bytes"

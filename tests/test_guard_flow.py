@@ -25,6 +25,7 @@ def test_other_scopes_pass_through_untouched():
 
 def test_a_refused_check_answers_with_its_error_and_never_calls_the_route():
     def check(scope):
+        assert scope["path"] == "/v1/completions"
         raise APIError(401, "bad key", "authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     app = Recorder()
