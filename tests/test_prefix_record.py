@@ -49,6 +49,7 @@ def test_modes_and_bounds_of_the_constructor():
     floor = PrefixCache(1, "on", granule=0, min_reuse=0)  # both at least 1
     floor.admitted(0, [1, 2, 3])
     assert floor.usable(0, [1, 9]) == 1 and floor.usable(0, [1, 2, 3, 4]) == 3
+    assert floor.usable(0, [1, 2, 3]) == 2  # the whole prompt cached: its last token is prefilled again
 
 
 def test_a_prompt_without_a_usable_prefix_takes_the_least_recently_used_free_slot():
@@ -107,6 +108,9 @@ def test_exact_mode_reuses_whole_granules_of_prefill_computed_tokens():
     assert cache.usable(0, list(range(3)) + [0]) == 0
     cache.admitted(0, list(range(11)), exact=False)
     assert cache.usable(0, list(range(13))) == 0
+    single = PrefixCache(1, "exact", granule=1, min_reuse=1)
+    single.admitted(0, [1, 2, 3], exact=False)  # a scoring prefill: not one token of it is exact
+    assert single.usable(0, [1, 2, 3, 4]) == 0
 
 
 def test_off_mode_places_without_looking():
