@@ -10,13 +10,14 @@ import pytest
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.prefix_copy import Chunk, check_reuse, plan_chunks
 
-HELD = np.asarray([0, 40, 128])  # tokens each of 3 slots holds
+HELD = np.asarray([5, 40, 128])  # tokens each of 3 slots holds
 
 
 def test_a_valid_reuse_starts_the_prefill_after_the_prefix():
     assert check_reuse(None, 0, 10, 3, HELD, "off", None) == 0
     assert check_reuse(Reuse(1, 0), 0, 10, 3, HELD, "off", None) == 0  # nothing reused: no mode needed
     assert check_reuse(Reuse(1, 1), 0, 10, 3, HELD, "on", None) == 1
+    assert check_reuse(Reuse(0, 5), 1, 10, 3, HELD, "on", None) == 5  # slot 0 is a source like any other
     assert check_reuse(Reuse(1, 40), 2, 41, 3, HELD, "on", None) == 40  # all the source holds, one to prefill
     assert check_reuse(Reuse(2, 128), 0, 200, 3, HELD, "exact", 64) == 128
     assert check_reuse(Reuse(0, 0), 2, 5, 3, HELD, "exact", 64) == 0
