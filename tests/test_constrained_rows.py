@@ -12,6 +12,7 @@ from helpers import tiny_config
 
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
@@ -27,7 +28,9 @@ TOKENIZER = byte_tokenizer()
 @pytest.fixture(scope="module")
 def runner():
     model = build_model(tiny_config(vocab_size=300))
-    engine = Engine(model, model.init(jax.random.PRNGKey(5)), slots=SLOTS, max_len=64, prefill_buckets=(8,))
+    engine = Engine(
+        model, model.init(jax.random.PRNGKey(5)), EngineOptions(slots=SLOTS, max_len=64, prefill_buckets=(8,))
+    )
     runner = InferenceRunner(engine)  # driven by the test: iterate() in this thread
     runner.prefix = PrefixCache(SLOTS, "off")  # each admission takes the lowest free slot: submission order
     return runner

@@ -13,6 +13,7 @@ from fake_engine import events, token_ids
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import PrefixCache, Reuse
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
@@ -30,12 +31,14 @@ PENALIZED = SamplingParams(repetition_penalty=1.6, presence_penalty=1.5, frequen
 # -- the engine and the runner --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def on_engine():
-    return Engine(MODEL, PARAMS, slots=3, max_len=256, prefill_buckets=(8, 32, 128), prefix_cache="on")
+    return Engine(MODEL, PARAMS, EngineOptions(slots=3, max_len=256, prefill_buckets=(8, 32, 128), prefix_cache="on"))
 
 
 @pytest.fixture(scope="module")
 def exact_engine():
-    return Engine(MODEL, PARAMS, slots=3, max_len=256, prefill_buckets=(8, 32, 128), prefix_cache="exact")
+    return Engine(
+        MODEL, PARAMS, EngineOptions(slots=3, max_len=256, prefill_buckets=(8, 32, 128), prefix_cache="exact")
+    )
 
 
 def drain(runner: InferenceRunner, request: Request):

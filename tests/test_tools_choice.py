@@ -22,6 +22,7 @@ from hkserve.api.tools import parse_tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.train.vocab import byte_tokenizer
@@ -93,7 +94,9 @@ def test_without_parallel_calls_the_grammar_refuses_a_second_call_and_allows_onl
 @pytest.fixture(scope="module")
 def tiny_client():
     model = build_model(tiny_config(vocab_size=300, context_length=512))
-    engine = Engine(model, model.init(jax.random.PRNGKey(9)), slots=2, max_len=512, prefill_buckets=(256,))
+    engine = Engine(
+        model, model.init(jax.random.PRNGKey(9)), EngineOptions(slots=2, max_len=512, prefill_buckets=(256,))
+    )
     runner = InferenceRunner(engine)
     runner.start(warmup=False)
     try:
