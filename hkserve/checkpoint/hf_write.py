@@ -18,6 +18,7 @@ _LLAMA_DEFAULTS = {
     "norm_offset": 0.0,
     "final_logit_cap": 0.0,
     "rope_freq_factors": (),
+    "rope_attn_factor": 1.0,
     "sliding_window": 0,
     "sliding_layers": (),
     "rope_local_theta": 0.0,

@@ -88,8 +88,8 @@ class Attention(hk.Module):
             q = RMSNorm(c.norm_eps, norm_dtype(c), "q_norm", c.norm_offset)(q)
             k = RMSNorm(c.norm_eps, norm_dtype(c), "k_norm", c.norm_offset)(k)
         inv_freq = rope_frequencies(c, theta)
-        q = rope(q, positions, inv_freq) * (c.attn_multiplier or c.head_dim**-0.5)
-        k = rope(k, positions, inv_freq)
+        q = rope(q, positions, inv_freq) * (c.rope_attn_factor * (c.attn_multiplier or c.head_dim**-0.5))
+        k = rope(k, positions, inv_freq) * c.rope_attn_factor  # transformers scales cos and sin
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
         if memory is not None:

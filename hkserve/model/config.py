@@ -48,6 +48,7 @@ class ModelConfig:
     norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + scale): Gemma stores w for 1 + w
     final_logit_cap: float = 0.0  # cap * tanh(logit / cap) on the output logits (Gemma 2); 0 = off
     rope_freq_factors: tuple[float, ...] = ()  # divisors of the head_dim/2 RoPE frequencies (Llama 3); () = none
+    rope_attn_factor: float = 1.0  # multiplies RoPE's cos and sin, so q and k (YaRN, LongRoPE); 1 = none
     sliding_window: int = 0  # keys a sliding layer sees, its own position included (Mistral, Gemma); 0 = none
     sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide? (n_layers entries when sliding_window > 0)
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
@@ -90,6 +91,8 @@ class ModelConfig:
         if not self.sliding_window and any(self.sliding_layers):
             raise ValueError("sliding_layers without a sliding_window")
         if self.memory == "vq" and (self.sliding_window or self.qkv_bias or self.qk_norm or self.rope_freq_factors):
+            raise ValueError("memory='vq' has none of the KV decoder's attention options")
+        if self.memory == "vq" and self.rope_attn_factor != 1.0:
             raise ValueError("memory='vq' has none of the KV decoder's attention options")
 
     def _check_vq(self) -> None:

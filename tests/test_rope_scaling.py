@@ -1,0 +1,86 @@
+"""The RoPE scaling types linear, dynamic, yarn and longrope (hkserve/checkpoint/rope_scaling.py)
+against transformers on the tiny checkpoints of tests/fixtures/rope (remade by
+scripts/make_family_fixtures.py): full and cached logits, the engine's greedy tokens, and what is
+capped or refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from family_fixtures import fixture
+from test_families import engine_greedy, full_and_cached_logits
+
+from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.params import ImportFormatError
+from hkserve.model.build import build_model
+
+ROPE = Path(__file__).parent / "fixtures" / "rope"
+NAMES = ["tiny-rope-linear", "tiny-rope-dynamic", "tiny-rope-yarn", "tiny-rope-longrope"]
+TOL = 1e-4  # relative to the largest reference logit
+
+
+def _fixture(name: str) -> Path:
+    path = ROPE / name
+    if not (path / "reference.json").exists():
+        pytest.fail(f"missing fixture {path} (scripts/make_family_fixtures.py remakes it)")
+    return path
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_cached_and_engine_greedy_match_transformers(name):
+    path = _fixture(name)
+    ref = json.loads((path / "reference.json").read_text())
+    config, params = load_hf(path)
+    model = build_model(config)
+    ids = np.asarray(ref["input_ids"], np.int32)
+    want = np.asarray(ref["logits"], np.float32)
+    full, cached = full_and_cached_logits(model, params, ids)
+    atol = TOL * np.abs(want).max()
+    np.testing.assert_allclose(full, want, atol=atol, rtol=0, err_msg="full forward")
+    np.testing.assert_allclose(cached, want, atol=atol, rtol=0, err_msg="cached path")
+    assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
+
+
+def _config(name: str) -> dict:
+    return json.loads((_fixture(name) / "config.json").read_text())
+
+
+def test_scaling_factors_and_context_caps():
+    """The numbers each type sets, beside the logits: linear divides every frequency, yarn scales
+    cos/sin by 0.1 ln(factor) + 1, longrope by sqrt(1 + ln(factor) / ln(original)) and serves only
+    the original context (past it transformers switches every position to long_factor), dynamic
+    serves max_position_embeddings (past it its frequencies change with the length)."""
+    linear = config_from_hf(_config("tiny-rope-linear"))
+    assert linear.rope_freq_factors == (4.0,) * 8 and linear.rope_attn_factor == 1.0 and linear.context_length == 64
+    yarn = config_from_hf(_config("tiny-rope-yarn"))
+    assert yarn.rope_attn_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert yarn.rope_freq_factors[0] == pytest.approx(1.0) and yarn.rope_freq_factors[-1] == pytest.approx(4.0)
+    longrope = config_from_hf(_config("tiny-rope-longrope"))
+    assert longrope.context_length == 16
+    assert longrope.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(16)))
+    assert config_from_hf(_config("tiny-rope-dynamic")).context_length == 64
+
+
+def test_unknown_types_and_per_layer_differences_are_refused():
+    cfg = _config("tiny-rope-linear")
+    with pytest.raises(ImportFormatError, match="'proportional' is not supported"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "proportional", "factor": 2.0}})
+    with pytest.raises(ImportFormatError, match="lacks its parameter 'factor'"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "linear"}})
+    with pytest.raises(ImportFormatError, match=r"RoPE parameter\(s\) \['alpha'\]"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "alpha": 1.0}})
+
+
+def test_gemma3_scaling_on_full_layers_only_is_refused():
+    """Gemma 3 4B+ scales only its full layers (linear, factor 8); the decoder applies one scaling to
+    every layer, so that stays refused rather than applied to the sliding layers too."""
+    cfg = json.loads(fixture("hf", "tiny-gemma3", "config.json").read_text())
+    params = {**cfg["rope_parameters"]}
+    params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": 8.0}
+    with pytest.raises(ImportFormatError, match="differs between full and sliding layers"):
+        config_from_hf({**cfg, "rope_parameters": params})
