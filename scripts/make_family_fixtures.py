@@ -35,8 +35,8 @@ FIXTURES = {
     "tiny-rope-dynamic": ("LlamaConfig", {"rope_type": "dynamic", "factor": 4.0}, "dynamic NTK, within the context"),
     "tiny-rope-yarn": (
         "LlamaConfig",
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8, "beta_slow": 1},
-        "yarn: ramp between interpolated and extrapolated frequencies, cos/sin x mscale",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 100.0},
+        "yarn: ramp (dims 0..5 at base 100) between extrapolated and interpolated frequencies, cos/sin x mscale",
     ),
     "tiny-rope-longrope": (
         "Phi3Config",
@@ -82,8 +82,8 @@ def build(name: str, seed: int) -> None:
 
 
 def main() -> None:
-    for seed, name in enumerate(sys.argv[1:] or FIXTURES):
-        build(name, seed)
+    for name in sys.argv[1:] or FIXTURES:
+        build(name, list(FIXTURES).index(name))
 
 
 if __name__ == "__main__":
