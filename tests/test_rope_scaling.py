@@ -9,11 +9,14 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from family_fixtures import fixture
 from test_families import engine_greedy, full_and_cached_logits
 
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.params import ImportFormatError
@@ -84,3 +87,29 @@ def test_gemma3_scaling_on_full_layers_only_is_refused():
     params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": 8.0}
     with pytest.raises(ImportFormatError, match="differs between full and sliding layers"):
         config_from_hf({**cfg, "rope_parameters": params})
+
+
+def _llama_gguf(path: Path, scaling: str, factor: float) -> Path:
+    """A llama GGUF of metadata only, with llama.cpp's converter's rope.scaling keys."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_vocab_size(256)
+    w.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+    w.add_rope_scaling_factor(factor)
+    w.add_rope_scaling_orig_ctx_len(512)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_linear_scaling_divides_every_frequency_and_yarn_stays_refused(tmp_path):
+    """llama.cpp applies linear scaling as freq_scale = 1 / factor on every frequency; its YaRN
+    (own ramp and attention factor) is not checked against llama.cpp yet, so it is refused."""
+    config = config_from_gguf(open_gguf(_llama_gguf(tmp_path / "linear.gguf", "linear", 4.0)))
+    assert config.rope_freq_factors == (4.0,) * 8 and config.rope_attn_factor == 1.0
+    with pytest.raises(ImportFormatError, match="RoPE scaling 'yarn' is not supported"):
+        config_from_gguf(open_gguf(_llama_gguf(tmp_path / "yarn.gguf", "yarn", 4.0)))
