@@ -1,8 +1,9 @@
-"""Remake tests/fixtures/rope/*: tiny random checkpoints with each RoPE scaling type, built and run by
-transformers, with its logits (one forward over two 12-token rows) and greedy continuation as the
-reference the tests compare against. The tests read the committed files and never need transformers.
+"""Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
+added after ../shared/fixtures (Granite...), built and run by transformers, with its logits (one
+forward over two 12-token rows) and greedy continuation as the reference the tests compare against.
+The tests read the committed files and never need transformers.
 
-    .venv/bin/pip install 'transformers>=4.45' torch && .venv/bin/python scripts/make_family_fixtures.py
+    .venv/bin/pip install 'transformers>=4.45' torch && .venv/bin/python scripts/make_family_fixtures.py [NAME...]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "rope"
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 TINY = {
     "vocab_size": 128,
     "hidden_size": 32,
@@ -28,9 +29,9 @@ TINY = {
     "tie_word_embeddings": False,
     "rope_theta": 10000.0,
 }
-# name → (transformers config class, rope parameters, note). Small original contexts and large factors
+# name → (transformers config class, its rope_parameters, note). Small original contexts and large factors
 # so the scaling moves the logits well past the tolerance at the 12 positions of the test.
-FIXTURES = {
+ROPE_TYPES = {
     "tiny-rope-linear": ("LlamaConfig", {"rope_type": "linear", "factor": 4.0}, "linear: every frequency / 4"),
     "tiny-rope-dynamic": ("LlamaConfig", {"rope_type": "dynamic", "factor": 4.0}, "dynamic NTK, within the context"),
     "tiny-rope-yarn": (
@@ -49,15 +50,26 @@ FIXTURES = {
         "longrope (Phi-3.5): short factors and sqrt(1 + ln 4 / ln 16) on cos/sin within the original context",
     ),
 }
+# name → (transformers config class, its arguments beyond TINY, note): multipliers far from 1 so each shows.
+FAMILIES = {
+    "tiny-granite": (
+        "GraniteConfig",
+        {"embedding_multiplier": 3.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 2.5},
+        "granite: embedding, attention, residual multipliers and logits_scaling",
+    ),
+}
+FIXTURES = {**ROPE_TYPES, **FAMILIES}
 ROWS, LENGTH, PROMPT, NEW = 2, 12, 4, 8
 
 
 def build(name: str, seed: int) -> None:
-    class_name, rope, note = FIXTURES[name]
+    class_name, args, note = FIXTURES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, class_name)(**TINY, rope_parameters={"rope_theta": TINY["rope_theta"], **rope})
+    if name in ROPE_TYPES:
+        args = {"rope_parameters": {"rope_theta": TINY["rope_theta"], **args}}
+    config = getattr(transformers, class_name)(**TINY, **args)
     if class_name == "Phi3Config":
-        config.original_max_position_embeddings = rope["original_max_position_embeddings"]
+        config.original_max_position_embeddings = args["rope_parameters"]["original_max_position_embeddings"]
         config.pad_token_id = 0
     model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).float().eval()
     with torch.no_grad():  # random norms, so a mistake in them shows

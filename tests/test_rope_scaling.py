@@ -1,7 +1,5 @@
-"""The RoPE scaling types linear, dynamic, yarn and longrope (hkserve/checkpoint/rope_scaling.py)
-against transformers on the tiny checkpoints of tests/fixtures/rope (remade by
-scripts/make_family_fixtures.py): full and cached logits, the engine's greedy tokens, and what is
-capped or refused."""
+"""What the RoPE scaling types linear, dynamic, yarn and longrope (hkserve/checkpoint/rope_scaling.py)
+set, cap and refuse; their logits against transformers are test_families_local.py's."""
 
 from __future__ import annotations
 
@@ -10,47 +8,17 @@ import math
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
-from family_fixtures import fixture
-from test_families import engine_greedy, full_and_cached_logits
+from family_fixtures import fixture, local_fixture
 
 from hkserve.checkpoint.gguf_config import config_from_gguf
 from hkserve.checkpoint.gguf_reader import open_gguf
-from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.params import ImportFormatError
-from hkserve.model.build import build_model
-
-ROPE = Path(__file__).parent / "fixtures" / "rope"
-NAMES = ["tiny-rope-linear", "tiny-rope-dynamic", "tiny-rope-yarn", "tiny-rope-longrope"]
-TOL = 1e-4  # relative to the largest reference logit
-
-
-def _fixture(name: str) -> Path:
-    path = ROPE / name
-    if not (path / "reference.json").exists():
-        pytest.fail(f"missing fixture {path} (scripts/make_family_fixtures.py remakes it)")
-    return path
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_full_cached_and_engine_greedy_match_transformers(name):
-    path = _fixture(name)
-    ref = json.loads((path / "reference.json").read_text())
-    config, params = load_hf(path)
-    model = build_model(config)
-    ids = np.asarray(ref["input_ids"], np.int32)
-    want = np.asarray(ref["logits"], np.float32)
-    full, cached = full_and_cached_logits(model, params, ids)
-    atol = TOL * np.abs(want).max()
-    np.testing.assert_allclose(full, want, atol=atol, rtol=0, err_msg="full forward")
-    np.testing.assert_allclose(cached, want, atol=atol, rtol=0, err_msg="cached path")
-    assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
 
 
 def _config(name: str) -> dict:
-    return json.loads((_fixture(name) / "config.json").read_text())
+    return json.loads((local_fixture(name) / "config.json").read_text())
 
 
 def test_scaling_factors_and_context_caps():

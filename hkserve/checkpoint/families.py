@@ -116,6 +116,15 @@ PHI3 = Family(
     gguf_architecture="phi3",
     gguf_sliding=True,
 )
+# Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
+GRANITE = Family(
+    "granite",
+    {},
+    hf=HF_NAMES,
+    hf_architectures=("GraniteForCausalLM",),
+    hf_keys=frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"}),
+    multipliers=True,
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -153,7 +162,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GROK):
+for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, GROK):
     register(_family)
 
 

@@ -32,7 +32,8 @@ FAMILY_KEYS = {
     "num_local_experts", "num_experts_per_tok", "use_sliding_window", "partial_rotary_factor",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
-    "use_bidirectional_attention",
+    "use_bidirectional_attention", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
+    "logits_scaling",
 }  # fmt: skip
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -120,6 +121,17 @@ def _soft_cap_options(family: Family, cfg: dict) -> dict:
     }
 
 
+def _multiplier_options(cfg: dict) -> dict:
+    """Granite's scalars: on the embeddings, the attention scores (in place of 1/sqrt(head_dim)), each
+    sub-block's output before the residual add, and the logits (divided by logits_scaling)."""
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "attn_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "output_multiplier": 1.0 / float(cfg.get("logits_scaling", 1.0)),
+    }
+
+
 def family_of(cfg: dict) -> Family:
     """The family record of an HF config, by its architecture name."""
     family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
@@ -153,6 +165,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         **_rope_options(family, cfg, head_dim),
         **_sliding_options(family, cfg, n_layers),
         **(_soft_cap_options(family, cfg) if family.soft_caps else {}),
+        **(_multiplier_options(cfg) if family.multipliers else {}),
     }
     if family.activation_option:
         options[family.activation_option] = HF_ACTIVATIONS[act]

@@ -19,6 +19,7 @@ _LLAMA_DEFAULTS = {
     "final_logit_cap": 0.0,
     "rope_freq_factors": (),
     "rope_attn_factor": 1.0,
+    "residual_multiplier": 1.0,
     "sliding_window": 0,
     "sliding_layers": (),
     "rope_local_theta": 0.0,

@@ -52,6 +52,7 @@ class ModelConfig:
     sliding_window: int = 0  # keys a sliding layer sees, its own position included (Mistral, Gemma); 0 = none
     sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide? (n_layers entries when sliding_window > 0)
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
+    residual_multiplier: float = 1.0  # each sub-block's output is scaled by it before the residual add (Granite)
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
     vq_codes: int = 512  # C, codebook size per head

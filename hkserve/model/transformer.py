@@ -70,12 +70,12 @@ def _decoder(
         h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held)
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
-        x = x + h
+        x = x + h * c.residual_multiplier
         ffn = MoE(c) if c.n_experts else MLP(c)
         h = ffn(norm("mlp_norm")(x))
         if c.sandwich_norms:
             h = norm("post_mlp_norm")(h)
-        return x + h, (k_new, v_new)
+        return x + h * c.residual_multiplier, (k_new, v_new)
 
     per_layer = (
         jnp.arange(c.n_layers),
