@@ -1,5 +1,5 @@
 """Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
-added after ../shared/fixtures (Granite...), built and run by transformers, with its logits (one
+added after ../shared/fixtures (Granite, OLMo 2), built and run by transformers, with its logits (one
 forward over two 12-token rows) and greedy continuation as the reference the tests compare against.
 The tests read the committed files and never need transformers.
 
@@ -57,6 +57,7 @@ FAMILIES = {
         {"embedding_multiplier": 3.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 2.5},
         "granite: embedding, attention, residual multipliers and logits_scaling",
     ),
+    "tiny-olmo2": ("Olmo2Config", {}, "olmo2: norms after attention and MLP only, q/k norms over all heads"),
 }
 FIXTURES = {**ROPE_TYPES, **FAMILIES}
 ROWS, LENGTH, PROMPT, NEW = 2, 12, 4, 8

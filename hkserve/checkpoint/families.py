@@ -125,6 +125,18 @@ GRANITE = Family(
     hf_keys=frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"}),
     multipliers=True,
 )
+# OLMo 2: norms only after attention and MLP (before the residual add), q/k norms over all heads.
+OLMO2 = Family(
+    "olmo2",
+    {"sandwich_norms": True, "pre_norms": False, "qk_norm": True, "qk_norm_full": True},
+    hf=HF_NAMES.replace(
+        attn_norm="",
+        mlp_norm="",
+        post_attn_norm="post_attention_layernorm.weight",
+        post_mlp_norm="post_feedforward_layernorm.weight",
+    ),
+    hf_architectures=("Olmo2ForCausalLM",),
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -162,7 +174,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, GROK):
+for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, GROK):
     register(_family)
 
 

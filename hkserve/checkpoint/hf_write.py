@@ -20,6 +20,8 @@ _LLAMA_DEFAULTS = {
     "rope_freq_factors": (),
     "rope_attn_factor": 1.0,
     "residual_multiplier": 1.0,
+    "qk_norm_full": False,
+    "pre_norms": True,
     "sliding_window": 0,
     "sliding_layers": (),
     "rope_local_theta": 0.0,

@@ -54,6 +54,12 @@ def _project(c: ModelConfig, x: jax.Array, heads: int, name: str) -> jax.Array:
     return y.reshape(*x.shape[:2], heads, c.head_dim)
 
 
+def _qk_norm(c: ModelConfig, x: jax.Array, name: str) -> jax.Array:
+    """RMSNorm of x [B, T, heads, Dh] over each head, or (qk_norm_full, OLMo 2) over all heads at once."""
+    norm = RMSNorm(c.norm_eps, norm_dtype(c), name, c.norm_offset)
+    return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape) if c.qk_norm_full else norm(x)
+
+
 class Attention(hk.Module):
     """Grouped-query attention of T new tokens over the memory's past keys plus themselves.
 
@@ -85,8 +91,7 @@ class Attention(hk.Module):
             k = _project(c, x, c.n_kv_heads, "k_proj")
             v = _project(c, x, c.n_kv_heads, "v_proj")
         if c.qk_norm:
-            q = RMSNorm(c.norm_eps, norm_dtype(c), "q_norm", c.norm_offset)(q)
-            k = RMSNorm(c.norm_eps, norm_dtype(c), "k_norm", c.norm_offset)(k)
+            q, k = _qk_norm(c, q, "q_norm"), _qk_norm(c, k, "k_norm")
         inv_freq = rope_frequencies(c, theta)
         q = rope(q, positions, inv_freq) * (c.rope_attn_factor * (c.attn_multiplier or c.head_dim**-0.5))
         k = rope(k, positions, inv_freq) * c.rope_attn_factor  # transformers scales cos and sin

@@ -45,6 +45,8 @@ class ModelConfig:
     mlp_activation: str = "silu"  # dense MLP's gate: silu (SwiGLU) | gelu (tanh approximation: Gemma's GeGLU)
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    qk_norm_full: bool = False  # with qk_norm: one RMSNorm over all of q's heads [H*Dh] and k's [Hkv*Dh] (OLMo 2)
+    pre_norms: bool = True  # RMSNorm before attention and MLP; False = only the sandwich's after-norms (OLMo 2)
     norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + scale): Gemma stores w for 1 + w
     final_logit_cap: float = 0.0  # cap * tanh(logit / cap) on the output logits (Gemma 2); 0 = off
     rope_freq_factors: tuple[float, ...] = ()  # divisors of the head_dim/2 RoPE frequencies (Llama 3); () = none
@@ -85,6 +87,10 @@ class ModelConfig:
     def _check_attention_options(self) -> None:
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ValueError("qk_norm_full needs qk_norm")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("pre_norms=False needs sandwich_norms (a block needs some norm)")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 0")
         if self.sliding_window and len(self.sliding_layers) != self.n_layers:
@@ -133,9 +139,11 @@ class ModelConfig:
             return self._vq_n_params()
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attn += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        qk_norm_width = (self.n_heads + self.n_kv_heads) * self.head_dim if self.qk_norm_full else 2 * self.head_dim
+        attn += qk_norm_width if self.qk_norm else 0
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
-        per_layer = attn + ffn + (4 if self.sandwich_norms else 2) * self.dim
+        norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms else 0)
+        per_layer = attn + ffn + norms * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
 

@@ -41,6 +41,9 @@ def _decoder(
     def norm(name: str):
         return RMSNorm(c.norm_eps, ndtype, name, c.norm_offset)
 
+    def pre_norm(name: str):  # OLMo 2 has none: only the norms after each sub-block
+        return norm(name) if c.pre_norms else (lambda x: x)
+
     def block(x, per_layer):
         layer, window, theta = per_layer
         with layer_weights.at_layer(layer):
@@ -67,12 +70,14 @@ def _decoder(
             else:
                 k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
             held = None
-        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held)
+        h, k_new, v_new = Attention(c)(
+            pre_norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held
+        )
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
         x = x + h * c.residual_multiplier
         ffn = MoE(c) if c.n_experts else MLP(c)
-        h = ffn(norm("mlp_norm")(x))
+        h = ffn(pre_norm("mlp_norm")(x))
         if c.sandwich_norms:
             h = norm("post_mlp_norm")(h)
         return x + h * c.residual_multiplier, (k_new, v_new)
