@@ -1,5 +1,5 @@
 """Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
-added after ../shared/fixtures (Granite, OLMo 2), built and run by transformers, with its logits (one
+added after ../shared/fixtures (Granite, OLMo 2, SmolLM3), built and run by transformers, with its logits (one
 forward over two 12-token rows) and greedy continuation as the reference the tests compare against.
 The tests read the committed files and never need transformers.
 
@@ -57,6 +57,11 @@ FAMILIES = {
         {"embedding_multiplier": 3.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 2.5},
         "granite: embedding, attention, residual multipliers and logits_scaling",
     ),
+    "tiny-smollm3": (
+        "SmolLM3Config",
+        {"no_rope_layer_interval": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        "smollm3: no RoPE on its second layer (no_rope_layers [1, 0]; the real models: every 4th)",
+    ),
     "tiny-olmo2": ("Olmo2Config", {}, "olmo2: norms after attention and MLP only, q/k norms over all heads"),
 }
 FIXTURES = {**ROPE_TYPES, **FAMILIES}
@@ -68,7 +73,7 @@ def build(name: str, seed: int) -> None:
     torch.manual_seed(seed)
     if name in ROPE_TYPES:
         args = {"rope_parameters": {"rope_theta": TINY["rope_theta"], **args}}
-    config = getattr(transformers, class_name)(**TINY, **args)
+    config = getattr(transformers, class_name)(**{**TINY, **args})
     if class_name == "Phi3Config":
         config.original_max_position_embeddings = args["rope_parameters"]["original_max_position_embeddings"]
         config.pad_token_id = 0

@@ -29,7 +29,15 @@ HF = [
 GGUF = ["tiny-llama3-rope", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 SLIDING = ["tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3"]
 # In this repository (tests/fixtures/hf, remade by scripts/make_family_fixtures.py): RoPE types, new families.
-LOCAL = ["tiny-rope-linear", "tiny-rope-dynamic", "tiny-rope-yarn", "tiny-rope-longrope", "tiny-granite", "tiny-olmo2"]
+LOCAL = [
+    "tiny-rope-linear",
+    "tiny-rope-dynamic",
+    "tiny-rope-yarn",
+    "tiny-rope-longrope",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-smollm3",
+]
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 

@@ -137,6 +137,17 @@ OLMO2 = Family(
     ),
     hf_architectures=("Olmo2ForCausalLM",),
 )
+# SmolLM3: Llama with no RoPE on every 4th layer (no_rope_layers); a window only with use_sliding_window.
+SMOLLM3 = Family(
+    "smollm3",
+    {},
+    hf=HF_NAMES,
+    hf_architectures=("SmolLM3ForCausalLM",),
+    hf_keys=frozenset({"use_sliding_window", "no_rope_layers", "no_rope_layer_interval"}),
+    sliding_opt_in=True,
+    tied_by_default=True,
+    nope_layers=True,
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -174,7 +185,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, GROK):
+for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, SMOLLM3, GROK):
     register(_family)
 
 

@@ -93,6 +93,7 @@ class Family:
     gguf_sliding: bool = False  # whether a sliding window in GGUF metadata is imported (else refused)
     soft_caps: bool = False  # logit soft caps, √dim embedding scale, query_pre_attn_scalar (Gemma)
     gguf_dim_scale_layers: int = 0  # layer count for which llama.cpp scales attention by dim/heads (27B)
+    nope_layers: bool = False  # layers without RoPE from no_rope_layers / no_rope_layer_interval (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual multipliers and logits_scaling
 
     def __post_init__(self):

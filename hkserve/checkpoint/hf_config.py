@@ -33,7 +33,7 @@ FAMILY_KEYS = {
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
     "use_bidirectional_attention", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
-    "logits_scaling",
+    "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
 }  # fmt: skip
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -132,6 +132,15 @@ def _multiplier_options(cfg: dict) -> dict:
     }
 
 
+def _nope_options(family: Family, cfg: dict, n_layers: int) -> dict:
+    """SmolLM3's layers without RoPE: no_rope_layers (1 = RoPE), else every no_rope_layer_interval-th."""
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if len(flags) != n_layers or set(flags) - {0, 1}:
+        raise _refuse(family.name, f"no_rope_layers {flags}")
+    return {"rope_layers": () if all(flags) else tuple(bool(f) for f in flags)}
+
+
 def family_of(cfg: dict) -> Family:
     """The family record of an HF config, by its architecture name."""
     family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
@@ -166,6 +175,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         **_sliding_options(family, cfg, n_layers),
         **(_soft_cap_options(family, cfg) if family.soft_caps else {}),
         **(_multiplier_options(cfg) if family.multipliers else {}),
+        **(_nope_options(family, cfg, n_layers) if family.nope_layers else {}),
     }
     if family.activation_option:
         options[family.activation_option] = HF_ACTIVATIONS[act]

@@ -22,6 +22,7 @@ _LLAMA_DEFAULTS = {
     "residual_multiplier": 1.0,
     "qk_norm_full": False,
     "pre_norms": True,
+    "rope_layers": (),
     "sliding_window": 0,
     "sliding_layers": (),
     "rope_local_theta": 0.0,

@@ -73,10 +73,12 @@ class Attention(hk.Module):
         super().__init__(name=name)
         self.c = config
 
-    def __call__(self, x, positions, k_past, v_past, past_len, window, theta, memory=None):
+    def __call__(self, x, positions, k_past, v_past, past_len, window, rope_spec, memory=None):
         """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
-        window: this layer's sliding window (0 = none); theta: its RoPE base. `memory` (decode with the
-        CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer) read in place instead of k_past/v_past.
+        window: this layer's sliding window (0 = none); rope_spec: (its RoPE base, 1.0 if it applies RoPE
+        else 0.0: SmolLM3's NoPE layers, where a zero frequency makes the rotation the identity).
+        `memory` (decode with the CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer) read in place
+        instead of k_past/v_past.
 
         Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
         """
@@ -92,9 +94,11 @@ class Attention(hk.Module):
             v = _project(c, x, c.n_kv_heads, "v_proj")
         if c.qk_norm:
             q, k = _qk_norm(c, q, "q_norm"), _qk_norm(c, k, "k_norm")
-        inv_freq = rope_frequencies(c, theta)
-        q = rope(q, positions, inv_freq) * (c.rope_attn_factor * (c.attn_multiplier or c.head_dim**-0.5))
-        k = rope(k, positions, inv_freq) * c.rope_attn_factor  # transformers scales cos and sin
+        theta, rope_on = rope_spec
+        inv_freq = rope_frequencies(c, theta) * rope_on
+        rope_factor = 1.0 + rope_on * (c.rope_attn_factor - 1.0)  # transformers scales cos and sin
+        q = rope(q, positions, inv_freq) * (rope_factor * (c.attn_multiplier or c.head_dim**-0.5))
+        k = rope(k, positions, inv_freq) * rope_factor
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
         if memory is not None:

@@ -54,6 +54,7 @@ class ModelConfig:
     sliding_window: int = 0  # keys a sliding layer sees, its own position included (Mistral, Gemma); 0 = none
     sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide? (n_layers entries when sliding_window > 0)
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
+    rope_layers: tuple[bool, ...] = ()  # per layer: does it apply RoPE? () = every layer (SmolLM3: not every 4th)
     residual_multiplier: float = 1.0  # each sub-block's output is scaled by it before the residual add (Granite)
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
@@ -87,6 +88,8 @@ class ModelConfig:
     def _check_attention_options(self) -> None:
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+        if self.rope_layers and len(self.rope_layers) != self.n_layers:
+            raise ValueError(f"rope_layers needs one entry per layer ({self.n_layers})")
         if self.qk_norm_full and not self.qk_norm:
             raise ValueError("qk_norm_full needs qk_norm")
         if not self.pre_norms and not self.sandwich_norms:
@@ -131,6 +134,10 @@ class ModelConfig:
         """Per layer: the RoPE base (sliding layers may have their own)."""
         local = self.rope_local_theta or self.rope_theta
         return tuple(local if w else self.rope_theta for w in self.layer_windows())
+
+    def layer_rope_on(self) -> tuple[float, ...]:
+        """Per layer: 1.0 if it applies RoPE, else 0.0."""
+        return tuple(float(on) for on in self.rope_layers) if self.rope_layers else (1.0,) * self.n_layers
 
     @property
     def n_params(self) -> int:

@@ -45,9 +45,9 @@ def _decoder(
         return norm(name) if c.pre_norms else (lambda x: x)
 
     def block(x, per_layer):
-        layer, window, theta = per_layer
+        layer, window, theta, rope_on = per_layer
         with layer_weights.at_layer(layer):
-            return _block(x, layer, window, theta)
+            return _block(x, layer, window, (theta, rope_on))
 
     # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc).
     in_place = (
@@ -58,7 +58,7 @@ def _decoder(
         and c.head_dim % 16 == 0
     )
 
-    def _block(x, layer, window, theta):
+    def _block(x, layer, window, rope_spec):
         if in_place:
             k_past = v_past = None
             held = (memory.k, memory.v, layer)
@@ -71,7 +71,7 @@ def _decoder(
                 k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
             held = None
         h, k_new, v_new = Attention(c)(
-            pre_norm("attn_norm")(x), positions, k_past, v_past, past_len, window, theta, held
+            pre_norm("attn_norm")(x), positions, k_past, v_past, past_len, window, rope_spec, held
         )
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
@@ -86,12 +86,13 @@ def _decoder(
         jnp.arange(c.n_layers),
         jnp.asarray(c.layer_windows(), jnp.int32),
         jnp.asarray(c.layer_rope_thetas(), F32),
+        jnp.asarray(c.layer_rope_on(), F32),
     )
     if layers == "loop":  # per-layer weights, no slices of a stack (layer_loop.py)
         new = []
         for i in range(c.n_layers):
             with hk.experimental.name_scope(layer_loop.layer_scope(i)):
-                x, kv = block(x, (i, per_layer[1][i], per_layer[2][i]))
+                x, kv = block(x, (i, *(p[i] for p in per_layer[1:])))
             new.append(kv)
         k_new, v_new = (jnp.stack(parts) for parts in zip(*new, strict=True))
     else:
