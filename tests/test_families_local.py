@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from family_fixtures import LOCAL, local_fixture
 from test_families import engine_greedy, full_and_cached_logits
 
 from hkserve.checkpoint.hf import load_hf
-from hkserve.model.build import build_model
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.sharding import param_specs
 
 TOL = 1e-4  # relative to the largest reference logit
 
@@ -30,3 +32,20 @@ def test_full_cached_and_engine_greedy_match_transformers(name):
     np.testing.assert_allclose(full, want, atol=atol, rtol=0, err_msg="full forward")
     np.testing.assert_allclose(cached, want, atol=atol, rtol=0, err_msg="cached path")
     assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
+
+
+@pytest.mark.parametrize("name", ["tiny-smollm3", "tiny-olmo2"])
+def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
+    """The layer loop (the GPU default) gets each layer's RoPE switch (SmolLM3) and runs without
+    pre-norms (OLMo 2) as the scan does; every param, full-width q/k norms included, has a partition rule."""
+    path = local_fixture(name)
+    ref = json.loads((path / "reference.json").read_text())
+    config, params = load_hf(path)
+    loop = build_model(config, layers="loop")
+    ids = np.asarray(ref["input_ids"], np.int32)
+    want = np.asarray(ref["logits"], np.float32)
+    full, _ = full_and_cached_logits(loop, loop.prepare(params), ids)
+    np.testing.assert_allclose(full, want, atol=TOL * np.abs(want).max(), rtol=0)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 4).reshape(2, 2), ("data", "model"))
+    specs = param_specs(param_shapes(config), mesh, config)  # raises for a param without a rule
+    assert set(specs) == set(param_shapes(config))
