@@ -13,6 +13,8 @@ from family_fixtures import LOCAL, local_fixture
 from test_families import engine_greedy, full_and_cached_logits
 
 from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.params import ImportFormatError
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.sharding import param_specs
 
@@ -49,3 +51,13 @@ def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 4).reshape(2, 2), ("data", "model"))
     specs = param_specs(param_shapes(config), mesh, config)  # raises for a param without a rule
     assert set(specs) == set(param_shapes(config))
+
+
+def test_smollm3_nope_layers_default_to_every_fourth_and_bad_lists_are_refused():
+    cfg = json.loads((local_fixture("tiny-smollm3") / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("no_rope_layers", "no_rope_layer_interval", "layer_types")}
+    config = config_from_hf({**cfg, "num_hidden_layers": 8})
+    assert config.rope_layers == (True, True, True, False) * 2
+    assert config_from_hf({**cfg, "num_hidden_layers": 3}).rope_layers == ()  # RoPE on all three
+    with pytest.raises(ImportFormatError, match="no_rope_layers"):
+        config_from_hf({**cfg, "no_rope_layers": [1, 2]})
