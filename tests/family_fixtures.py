@@ -1,4 +1,4 @@
-"""The model-family fixtures of ../shared/fixtures (hf/ and gguf/), shared by the test_families*
+"""The model-family fixtures of ../shared/fixtures (hf/ and gguf/) and tests/fixtures/hf, shared by the test_families*
 files. A missing fixture fails the test that needs it (it is never skipped)."""
 
 from __future__ import annotations
@@ -28,12 +28,30 @@ HF = [
 ]
 GGUF = ["tiny-llama3-rope", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 SLIDING = ["tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3"]
+# In this repository (tests/fixtures/hf, remade by scripts/make_family_fixtures.py): RoPE types, new families.
+LOCAL = [
+    "tiny-rope-linear",
+    "tiny-rope-dynamic",
+    "tiny-rope-yarn",
+    "tiny-rope-longrope",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-smollm3",
+]
+LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 def fixture(*parts: str) -> Path:
     path = FIXTURES.joinpath(*parts)
     if not path.exists():
         pytest.fail(f"missing fixture {path} (set HKSERVE_SHARED to the shared directory)")
+    return path
+
+
+def local_fixture(name: str) -> Path:
+    path = LOCAL_FIXTURES / name
+    if not (path / "reference.json").exists():
+        pytest.fail(f"missing fixture {path} (scripts/make_family_fixtures.py remakes it)")
     return path
 
 

@@ -116,6 +116,38 @@ PHI3 = Family(
     gguf_architecture="phi3",
     gguf_sliding=True,
 )
+# Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
+GRANITE = Family(
+    "granite",
+    {},
+    hf=HF_NAMES,
+    hf_architectures=("GraniteForCausalLM",),
+    hf_keys=frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"}),
+    multipliers=True,
+)
+# OLMo 2: norms only after attention and MLP (before the residual add), q/k norms over all heads.
+OLMO2 = Family(
+    "olmo2",
+    {"sandwich_norms": True, "pre_norms": False, "qk_norm": True, "qk_norm_full": True},
+    hf=HF_NAMES.replace(
+        attn_norm="",
+        mlp_norm="",
+        post_attn_norm="post_attention_layernorm.weight",
+        post_mlp_norm="post_feedforward_layernorm.weight",
+    ),
+    hf_architectures=("Olmo2ForCausalLM",),
+)
+# SmolLM3: Llama with no RoPE on every 4th layer (no_rope_layers); a window only with use_sliding_window.
+SMOLLM3 = Family(
+    "smollm3",
+    {},
+    hf=HF_NAMES,
+    hf_architectures=("SmolLM3ForCausalLM",),
+    hf_keys=frozenset({"use_sliding_window", "no_rope_layers", "no_rope_layer_interval"}),
+    sliding_opt_in=True,
+    tied_by_default=True,
+    nope_layers=True,
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -153,7 +185,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GROK):
+for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, SMOLLM3, GROK):
     register(_family)
 
 

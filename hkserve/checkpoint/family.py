@@ -93,6 +93,8 @@ class Family:
     gguf_sliding: bool = False  # whether a sliding window in GGUF metadata is imported (else refused)
     soft_caps: bool = False  # logit soft caps, √dim embedding scale, query_pre_attn_scalar (Gemma)
     gguf_dim_scale_layers: int = 0  # layer count for which llama.cpp scales attention by dim/heads (27B)
+    nope_layers: bool = False  # layers without RoPE from no_rope_layers / no_rope_layer_interval (SmolLM3)
+    multipliers: bool = False  # Granite's embedding, attention, residual multipliers and logits_scaling
 
     def __post_init__(self):
         unknown = set(self.options) - _CONFIG_FIELDS
@@ -102,6 +104,8 @@ class Family:
             raise _not_implemented(self.name, f"activation_option {self.activation_option!r}")
         if set(self.hf_activations) - set(HF_ACTIVATIONS):
             raise _not_implemented(self.name, f"activation(s) {sorted(set(self.hf_activations) - set(HF_ACTIVATIONS))}")
+        if self.multipliers and self.soft_caps:
+            raise _not_implemented(self.name, "Granite's multipliers together with Gemma's soft caps")
         if self.sliding_pattern and self.sliding_opt_in:
             raise _not_implemented(self.name, "a sliding pattern together with sliding_opt_in")
         if self.hf_architectures and self.hf is None:

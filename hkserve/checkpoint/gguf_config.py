@@ -3,7 +3,7 @@ and Mixtral come as llama, which llama.cpp writes them as).
 
 What llama.cpp fixes per architecture rather than storing (Gemma's sliding-layer pattern, embedding
 scale and attention scale) is filled in from the family's record, as llama.cpp does; metadata asking
-for what the decoder does not implement (RoPE scaling types, partial rotary dims) is refused.
+for what the decoder does not implement (RoPE scaling types but linear, partial rotary dims) is refused.
 """
 
 from __future__ import annotations
@@ -47,10 +47,19 @@ def _soft_caps(reader: gguf.GGUFReader, family: Family, arch: str, dims: tuple[i
     }
 
 
-def _rope_freq_factors(reader: gguf.GGUFReader) -> tuple[float, ...]:
-    """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight."""
+def _rope_freq_factors(reader: gguf.GGUFReader, arch: str, head_dim: int) -> tuple[float, ...]:
+    """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight, or linear
+    scaling's one factor (rope.scaling.type "linear": llama.cpp divides every frequency by it). The
+    other types (yarn: llama.cpp computes its ramp and attention factor itself) stay refused until
+    they are checked against llama.cpp."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    return () if tensor is None else tuple(float(x) for x in np.ravel(dequantize(tensor)))
+    factors = () if tensor is None else tuple(float(x) for x in np.ravel(dequantize(tensor)))
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear" and not factors:
+        return (float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),) * (head_dim // 2)
+    if scaling not in ("none", None):
+        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported (supported in GGUF: linear)")
+    return factors
 
 
 def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
@@ -69,9 +78,6 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         raise ImportFormatError(f"{arch}: value heads of another size than key heads are not supported")
     if int(field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise ImportFormatError(f"{arch}: RoPE on part of the head (rope.dimension_count) is not supported")
-    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}
@@ -89,7 +95,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         head_dim=head_dim,
         ffn_dim=int(field(reader, f"{arch}.expert_feed_forward_length", None) or need("feed_forward_length")),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_freq_factors=_rope_freq_factors(reader),
+        rope_freq_factors=_rope_freq_factors(reader, arch, head_dim),
         norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=family.gguf.lm_head not in names,
         context_length=int(field(reader, f"{arch}.context_length", 2048)),

@@ -10,7 +10,8 @@ from __future__ import annotations
 from hkserve.checkpoint.families import hf_family
 from hkserve.checkpoint.family import HF_ACTIVATIONS, Family
 from hkserve.checkpoint.params import ImportFormatError
-from hkserve.checkpoint.rope_windows import llama3_freq_factors, sliding_by_pattern
+from hkserve.checkpoint.rope_scaling import RopeScaling, rope_scaling
+from hkserve.checkpoint.rope_windows import sliding_by_pattern
 from hkserve.model.config import ModelConfig
 
 # Keys with no effect on the logits of a forward pass (training, generation defaults, bookkeeping).
@@ -31,11 +32,13 @@ FAMILY_KEYS = {
     "num_local_experts", "num_experts_per_tok", "use_sliding_window", "partial_rotary_factor",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
-    "use_bidirectional_attention",
+    "use_bidirectional_attention", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
+    "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
 }  # fmt: skip
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings", "partial_rotary_factor",
+    "original_max_position_embeddings", "partial_rotary_factor", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "attention_factor", "truncate", "short_factor", "long_factor",
 }  # fmt: skip
 
 
@@ -43,45 +46,43 @@ def _refuse(family: str, what: str) -> ImportFormatError:
     return ImportFormatError(f"{family}: {what} is not supported (refusing to import rather than ignore it)")
 
 
-def _rope(family: str, rope: dict, theta: float, head_dim: int) -> tuple[float, tuple[float, ...]]:
-    """One RoPE parameter dict → (theta, frequency factors)."""
+def _rope(family: str, rope: dict, theta: float, cfg: dict, head_dim: int) -> tuple[float, RopeScaling]:
+    """One RoPE parameter dict → (theta, its scaling)."""
     unknown = set(rope) - ROPE_KEYS
     if unknown:
         raise _refuse(family, f"RoPE parameter(s) {sorted(unknown)}")
     theta = float(rope.get("rope_theta", theta))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse(family, f"partial_rotary_factor {rope['partial_rotary_factor']}")
+    if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
+        rope = {"original_max_position_embeddings": cfg["original_max_position_embeddings"], **rope}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, ()
-    if kind == "llama3":
-        factors = llama3_freq_factors(
-            head_dim,
-            theta,
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope["original_max_position_embeddings"]),
-        )
-        return theta, factors
-    raise _refuse(family, f"rope_type {kind!r} (supported: default, llama3)")
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    try:
+        return theta, rope_scaling(kind, rope, head_dim, theta, max_positions)
+    except KeyError as exc:
+        raise ImportFormatError(f"{family}: rope_type {kind!r} lacks its parameter {exc}") from None
 
 
 def _rope_options(family: Family, cfg: dict, head_dim: int) -> dict:
-    """rope_theta, rope_freq_factors and rope_local_theta from either config form: transformers 5's
-    `rope_parameters` (per layer type for Gemma 3) or the older top-level rope_theta / rope_scaling /
-    rope_local_base_freq."""
+    """rope_theta, rope_freq_factors, rope_attn_factor, rope_local_theta (and a context cap where the
+    frequencies would change past it) from either config form: transformers 5's `rope_parameters`
+    (per layer type for Gemma 3) or the older top-level rope_theta / rope_scaling / rope_local_base_freq."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(cfg.get("rope_theta", family.default_rope_theta))
     local = float(cfg.get(family.hf_local_theta_key, 10000.0)) if family.hf_local_theta_key else 0.0
     if "full_attention" in params or "sliding_attention" in params:
-        theta, factors = _rope(family.name, params.get("full_attention", {}), theta, head_dim)
-        local, local_factors = _rope(family.name, params.get("sliding_attention", {}), local or theta, head_dim)
-        if local_factors:
-            raise _refuse(family.name, "RoPE scaling on sliding layers")
+        theta, scaling = _rope(family.name, params.get("full_attention", {}), theta, cfg, head_dim)
+        local, local_scaling = _rope(family.name, params.get("sliding_attention", {}), local or theta, cfg, head_dim)
+        if scaling != local_scaling:  # the decoder applies one scaling to every layer
+            raise _refuse(family.name, "RoPE scaling that differs between full and sliding layers")
     else:
-        theta, factors = _rope(family.name, params, theta, head_dim)
-    return {"rope_theta": theta, "rope_freq_factors": factors, "rope_local_theta": local}
+        theta, scaling = _rope(family.name, params, theta, cfg, head_dim)
+    options = {"rope_theta": theta, "rope_local_theta": local}
+    options.update(rope_freq_factors=scaling.freq_factors, rope_attn_factor=scaling.attn_factor)
+    context = int(cfg.get("max_position_embeddings", 2048))
+    options["context_length"] = min(context, scaling.max_positions) if scaling.max_positions else context
+    return options
 
 
 def _sliding_options(family: Family, cfg: dict, n_layers: int) -> dict:
@@ -120,6 +121,26 @@ def _soft_cap_options(family: Family, cfg: dict) -> dict:
     }
 
 
+def _multiplier_options(cfg: dict) -> dict:
+    """Granite's scalars: on the embeddings, the attention scores (in place of 1/sqrt(head_dim)), each
+    sub-block's output before the residual add, and the logits (divided by logits_scaling)."""
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "attn_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "output_multiplier": 1.0 / float(cfg.get("logits_scaling", 1.0)),
+    }
+
+
+def _nope_options(family: Family, cfg: dict, n_layers: int) -> dict:
+    """SmolLM3's layers without RoPE: no_rope_layers (1 = RoPE), else every no_rope_layer_interval-th."""
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if len(flags) != n_layers or set(flags) - {0, 1}:
+        raise _refuse(family.name, f"no_rope_layers {flags}")
+    return {"rope_layers": () if all(flags) else tuple(bool(f) for f in flags)}
+
+
 def family_of(cfg: dict) -> Family:
     """The family record of an HF config, by its architecture name."""
     family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
@@ -153,6 +174,8 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         **_rope_options(family, cfg, head_dim),
         **_sliding_options(family, cfg, n_layers),
         **(_soft_cap_options(family, cfg) if family.soft_caps else {}),
+        **(_multiplier_options(cfg) if family.multipliers else {}),
+        **(_nope_options(family, cfg, n_layers) if family.nope_layers else {}),
     }
     if family.activation_option:
         options[family.activation_option] = HF_ACTIVATIONS[act]
@@ -166,7 +189,6 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         ffn_dim=cfg["intermediate_size"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
         n_experts=int(cfg.get("num_local_experts", 0) or 0),
         n_experts_per_token=int(cfg.get("num_experts_per_tok", 2) or 2),
         dtype=dtype,

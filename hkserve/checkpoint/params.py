@@ -3,10 +3,11 @@
 Importers speak one neutral layout, independent of the file format: a stream of
 (key, layer index or None, array), with the keys
   top level (layer None): "embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only);
-  per layer: "attn_norm": [D], "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
-    optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh], "q_norm", "k_norm": [Dh],
-    "post_attn_norm", "post_mlp_norm": [D],
-    "mlp_norm": [D], "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
+  per layer: "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
+    optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh],
+    "q_norm", "k_norm": [Dh] (with qk_norm_full: [H*Dh], [Hkv*Dh]),
+    "attn_norm", "mlp_norm": [D] (unless pre_norms=False), "post_attn_norm", "post_mlp_norm": [D],
+    "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
     or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D].
 Linear weights are [in, out]; importers transpose from the [out, in] convention of HF and GGUF.
 """

@@ -86,7 +86,9 @@ def _attention(layer: _Layer) -> dict:
 
 def _norms(layer: _Layer) -> dict:
     names = layer.names
-    out = {"attn_norm": layer.norm(names.attn_norm), "mlp_norm": layer.norm(names.mlp_norm)}
+    out = {}
+    if layer.config.pre_norms:
+        out.update(attn_norm=layer.norm(names.attn_norm), mlp_norm=layer.norm(names.mlp_norm))
     if layer.config.sandwich_norms:
         out.update(post_attn_norm=layer.norm(names.post_attn_norm), post_mlp_norm=layer.norm(names.post_mlp_norm))
     return out

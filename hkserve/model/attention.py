@@ -54,6 +54,12 @@ def _project(c: ModelConfig, x: jax.Array, heads: int, name: str) -> jax.Array:
     return y.reshape(*x.shape[:2], heads, c.head_dim)
 
 
+def _qk_norm(c: ModelConfig, x: jax.Array, name: str) -> jax.Array:
+    """RMSNorm of x [B, T, heads, Dh] over each head, or (qk_norm_full, OLMo 2) over all heads at once."""
+    norm = RMSNorm(c.norm_eps, norm_dtype(c), name, c.norm_offset)
+    return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape) if c.qk_norm_full else norm(x)
+
+
 class Attention(hk.Module):
     """Grouped-query attention of T new tokens over the memory's past keys plus themselves.
 
@@ -67,11 +73,13 @@ class Attention(hk.Module):
         super().__init__(name=name)
         self.c = config
 
-    def __call__(self, x, positions, k_past, v_past, past_len, window, theta, memory=None):
+    def __call__(self, x, positions, k_past, v_past, past_len, window, rope_spec, memory=None):
         """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
-        window: this layer's sliding window (0 = none); theta: its RoPE base. `memory` (decode with the
-        CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer, None) read in place instead of k_past/v_past, or
-        a paged pool's (k [L,NB,bs,Hkv,Dh], v, layer, table [B,MB]) read through the block table.
+        window: this layer's sliding window (0 = none); rope_spec: (its RoPE base, 1.0 if it applies RoPE
+        else 0.0: SmolLM3's NoPE layers, where a zero frequency makes the rotation the identity).
+        `memory` (decode with the CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer, None) read in place
+        instead of k_past/v_past, or a paged pool's (k [L,NB,bs,Hkv,Dh], v, layer, table [B,MB]) read
+        through the block table.
 
         Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
         """
@@ -86,11 +94,12 @@ class Attention(hk.Module):
             k = _project(c, x, c.n_kv_heads, "k_proj")
             v = _project(c, x, c.n_kv_heads, "v_proj")
         if c.qk_norm:
-            q = RMSNorm(c.norm_eps, norm_dtype(c), "q_norm", c.norm_offset)(q)
-            k = RMSNorm(c.norm_eps, norm_dtype(c), "k_norm", c.norm_offset)(k)
-        inv_freq = rope_frequencies(c, theta)
-        q = rope(q, positions, inv_freq) * (c.attn_multiplier or c.head_dim**-0.5)
-        k = rope(k, positions, inv_freq)
+            q, k = _qk_norm(c, q, "q_norm"), _qk_norm(c, k, "k_norm")
+        theta, rope_on = rope_spec
+        inv_freq = rope_frequencies(c, theta) * rope_on
+        rope_factor = 1.0 + rope_on * (c.rope_attn_factor - 1.0)  # transformers scales cos and sin
+        q = rope(q, positions, inv_freq) * (rope_factor * (c.attn_multiplier or c.head_dim**-0.5))
+        k = rope(k, positions, inv_freq) * rope_factor
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
         if memory is not None:

@@ -46,12 +46,17 @@ class ModelConfig:
     mlp_activation: str = "silu"  # dense MLP's gate: silu (SwiGLU) | gelu (tanh approximation: Gemma's GeGLU)
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    qk_norm_full: bool = False  # with qk_norm: one RMSNorm over all of q's heads [H*Dh] and k's [Hkv*Dh] (OLMo 2)
+    pre_norms: bool = True  # RMSNorm before attention and MLP; False = only the sandwich's after-norms (OLMo 2)
     norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + scale): Gemma stores w for 1 + w
     final_logit_cap: float = 0.0  # cap * tanh(logit / cap) on the output logits (Gemma 2); 0 = off
     rope_freq_factors: tuple[float, ...] = ()  # divisors of the head_dim/2 RoPE frequencies (Llama 3); () = none
+    rope_attn_factor: float = 1.0  # multiplies RoPE's cos and sin, so q and k (YaRN, LongRoPE); 1 = none
     sliding_window: int = 0  # keys a sliding layer sees, its own position included (Mistral, Gemma); 0 = none
     sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide? (n_layers entries when sliding_window > 0)
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
+    rope_layers: tuple[bool, ...] = ()  # per layer: does it apply RoPE? () = every layer (SmolLM3: not every 4th)
+    residual_multiplier: float = 1.0  # each sub-block's output is scaled by it before the residual add (Granite)
     # Transformer-VQ (memory="vq"); docs/transformer-vq.md
     vq_value_dim: int = 0  # d_v per head (the paper: 2 * dim)
     vq_codes: int = 512  # C, codebook size per head
@@ -86,6 +91,12 @@ class ModelConfig:
     def _check_attention_options(self) -> None:
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+        if self.rope_layers and len(self.rope_layers) != self.n_layers:
+            raise ValueError(f"rope_layers needs one entry per layer ({self.n_layers})")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ValueError("qk_norm_full needs qk_norm")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("pre_norms=False needs sandwich_norms (a block needs some norm)")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 0")
         if self.sliding_window and len(self.sliding_layers) != self.n_layers:
@@ -93,6 +104,8 @@ class ModelConfig:
         if not self.sliding_window and any(self.sliding_layers):
             raise ValueError("sliding_layers without a sliding_window")
         if self.memory == "vq" and (self.sliding_window or self.qkv_bias or self.qk_norm or self.rope_freq_factors):
+            raise ValueError("memory='vq' has none of the KV decoder's attention options")
+        if self.memory == "vq" and self.rope_attn_factor != 1.0:
             raise ValueError("memory='vq' has none of the KV decoder's attention options")
 
     def _check_vq(self) -> None:
@@ -125,6 +138,10 @@ class ModelConfig:
         local = self.rope_local_theta or self.rope_theta
         return tuple(local if w else self.rope_theta for w in self.layer_windows())
 
+    def layer_rope_on(self) -> tuple[float, ...]:
+        """Per layer: 1.0 if it applies RoPE, else 0.0."""
+        return tuple(float(on) for on in self.rope_layers) if self.rope_layers else (1.0,) * self.n_layers
+
     @property
     def n_params(self) -> int:
         """Numbers in the serving param tree (for VQ: learned weights plus the codebooks)."""
@@ -132,9 +149,11 @@ class ModelConfig:
             return self._vq_n_params()
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attn += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        qk_norm_width = (self.n_heads + self.n_kv_heads) * self.head_dim if self.qk_norm_full else 2 * self.head_dim
+        attn += qk_norm_width if self.qk_norm else 0
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
-        per_layer = attn + ffn + (4 if self.sandwich_norms else 2) * self.dim
+        norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms else 0)
+        per_layer = attn + ffn + norms * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
 

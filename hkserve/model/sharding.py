@@ -44,7 +44,7 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/attention/o_proj/w$", P(None, "model", None), "n_heads"),  # [L, H*Dh, D]
     (r"decoder/layers/attention/q_proj/b$", P(None, "model"), "n_heads"),  # [L, H*Dh]
     (r"decoder/layers/attention/(k_proj|v_proj)/b$", P(None, "model"), "n_kv_heads"),  # [L, Hkv*Dh]
-    (r"decoder/layers/attention/(q_norm|k_norm)/scale$", P(None, None), None),  # [L, Dh]
+    (r"decoder/layers/attention/(q_norm|k_norm)/scale$", P(None, None), None),  # [L, Dh] or [L, H*Dh]
     (r"decoder/layers/mlp/(gate_proj|up_proj)/w$", P(None, None, "model"), None),  # [L, D, F]
     (r"decoder/layers/mlp/down_proj/w$", P(None, "model", None), None),  # [L, F, D]
     (r"decoder/layers/moe/router/w$", P(None, None, None), None),  # [L, D, E]

@@ -49,10 +49,13 @@ def _decoder(
     def norm(name: str):
         return RMSNorm(c.norm_eps, ndtype, name, c.norm_offset)
 
+    def pre_norm(name: str):  # OLMo 2 has none: only the norms after each sub-block
+        return norm(name) if c.pre_norms else (lambda x: x)
+
     def block(x, per_layer):
-        layer, window, theta = per_layer
+        layer, window, theta, rope_on = per_layer
         with layer_weights.at_layer(layer):
-            return _block(x, layer, window, theta)
+            return _block(x, layer, window, (theta, rope_on))
 
     paged = isinstance(memory, PagedKVMemory)
     # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
@@ -67,7 +70,7 @@ def _decoder(
         and c.head_dim % 16 == 0
     )
 
-    def _block(x, layer, window, theta):
+    def _block(x, layer, window, rope_spec):
         if in_place:
             k_past = v_past = None
             held = (memory.k, memory.v, layer, memory.table if paged else None)
@@ -86,26 +89,29 @@ def _decoder(
             else:
                 k_past, v_past = k_past[rows, :attend_len], v_past[rows, :attend_len]  # [b, W, Hkv, Dh]
             held = None
-        h, k_new, v_new = Attention(c)(norm("attn_norm")(x), positions, k_past, v_past, seen, window, theta, held)
+        h, k_new, v_new = Attention(c)(
+            pre_norm("attn_norm")(x), positions, k_past, v_past, seen, window, rope_spec, held
+        )
         if c.sandwich_norms:
             h = norm("post_attn_norm")(h)
-        x = x + h
+        x = x + h * c.residual_multiplier
         ffn = MoE(c) if c.n_experts else MLP(c)
-        h = ffn(norm("mlp_norm")(x))
+        h = ffn(pre_norm("mlp_norm")(x))
         if c.sandwich_norms:
             h = norm("post_mlp_norm")(h)
-        return x + h, (k_new, v_new)
+        return x + h * c.residual_multiplier, (k_new, v_new)
 
     per_layer = (
         jnp.arange(c.n_layers),
         jnp.asarray(c.layer_windows(), jnp.int32),
         jnp.asarray(c.layer_rope_thetas(), F32),
+        jnp.asarray(c.layer_rope_on(), F32),
     )
     if layers == "loop":  # per-layer weights, no slices of a stack (layer_loop.py)
         new = []
         for i in range(c.n_layers):
             with hk.experimental.name_scope(layer_loop.layer_scope(i)):
-                x, kv = block(x, (i, per_layer[1][i], per_layer[2][i]))
+                x, kv = block(x, (i, *(p[i] for p in per_layer[1:])))
             new.append(kv)
         k_new, v_new = (jnp.stack(parts) for parts in zip(*new, strict=True))
     else:

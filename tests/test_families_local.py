@@ -1,0 +1,63 @@
+"""The RoPE scaling types and the families whose fixtures live in this repository (tests/fixtures/hf,
+remade by scripts/make_family_fixtures.py) against the logits transformers computed: full forward,
+the cached path (4-token prefill, then one token per step) and greedy decoding through the Engine."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from family_fixtures import LOCAL, local_fixture
+from test_families import engine_greedy, full_and_cached_logits
+
+from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.params import ImportFormatError
+from hkserve.model.build import build_model, param_shapes
+from hkserve.model.sharding import param_specs
+
+TOL = 1e-4  # relative to the largest reference logit
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_full_cached_and_engine_greedy_match_transformers(name):
+    path = local_fixture(name)
+    ref = json.loads((path / "reference.json").read_text())
+    config, params = load_hf(path)
+    model = build_model(config)
+    ids = np.asarray(ref["input_ids"], np.int32)
+    want = np.asarray(ref["logits"], np.float32)
+    full, cached = full_and_cached_logits(model, params, ids)
+    atol = TOL * np.abs(want).max()
+    np.testing.assert_allclose(full, want, atol=atol, rtol=0, err_msg="full forward")
+    np.testing.assert_allclose(cached, want, atol=atol, rtol=0, err_msg="cached path")
+    assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
+
+
+@pytest.mark.parametrize("name", ["tiny-smollm3", "tiny-olmo2"])
+def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
+    """The layer loop (the GPU default) gets each layer's RoPE switch (SmolLM3) and runs without
+    pre-norms (OLMo 2) as the scan does; every param, full-width q/k norms included, has a partition rule."""
+    path = local_fixture(name)
+    ref = json.loads((path / "reference.json").read_text())
+    config, params = load_hf(path)
+    loop = build_model(config, layers="loop")
+    ids = np.asarray(ref["input_ids"], np.int32)
+    want = np.asarray(ref["logits"], np.float32)
+    full, _ = full_and_cached_logits(loop, loop.prepare(params), ids)
+    np.testing.assert_allclose(full, want, atol=TOL * np.abs(want).max(), rtol=0)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 4).reshape(2, 2), ("data", "model"))
+    specs = param_specs(param_shapes(config), mesh, config)  # raises for a param without a rule
+    assert set(specs) == set(param_shapes(config))
+
+
+def test_smollm3_nope_layers_default_to_every_fourth_and_bad_lists_are_refused():
+    cfg = json.loads((local_fixture("tiny-smollm3") / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("no_rope_layers", "no_rope_layer_interval", "layer_types")}
+    config = config_from_hf({**cfg, "num_hidden_layers": 8})
+    assert config.rope_layers == (True, True, True, False) * 2
+    assert config_from_hf({**cfg, "num_hidden_layers": 3}).rope_layers == ()  # RoPE on all three
+    with pytest.raises(ImportFormatError, match="no_rope_layers"):
+        config_from_hf({**cfg, "no_rope_layers": [1, 2]})

@@ -1,0 +1,83 @@
+"""What the RoPE scaling types linear, dynamic, yarn and longrope (hkserve/checkpoint/rope_scaling.py)
+set, cap and refuse; their logits against transformers are test_families_local.py's."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import pytest
+from family_fixtures import fixture, local_fixture
+
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
+from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.params import ImportFormatError
+
+
+def _config(name: str) -> dict:
+    return json.loads((local_fixture(name) / "config.json").read_text())
+
+
+def test_scaling_factors_and_context_caps():
+    """The numbers each type sets, beside the logits: linear divides every frequency, yarn scales
+    cos/sin by 0.1 ln(factor) + 1, longrope by sqrt(1 + ln(factor) / ln(original)) and serves only
+    the original context (past it transformers switches every position to long_factor), dynamic
+    serves max_position_embeddings (past it its frequencies change with the length)."""
+    linear = config_from_hf(_config("tiny-rope-linear"))
+    assert linear.rope_freq_factors == (4.0,) * 8 and linear.rope_attn_factor == 1.0 and linear.context_length == 64
+    yarn = config_from_hf(_config("tiny-rope-yarn"))
+    assert yarn.rope_attn_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert yarn.rope_freq_factors[0] == pytest.approx(1.0) and yarn.rope_freq_factors[-1] == pytest.approx(4.0)
+    longrope = config_from_hf(_config("tiny-rope-longrope"))
+    assert longrope.context_length == 16
+    assert longrope.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(16)))
+    assert config_from_hf(_config("tiny-rope-dynamic")).context_length == 64
+
+
+def test_unknown_types_and_per_layer_differences_are_refused():
+    cfg = _config("tiny-rope-linear")
+    with pytest.raises(ImportFormatError, match="'proportional' is not supported"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "proportional", "factor": 2.0}})
+    with pytest.raises(ImportFormatError, match="lacks its parameter 'factor'"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "linear"}})
+    with pytest.raises(ImportFormatError, match=r"RoPE parameter\(s\) \['alpha'\]"):
+        config_from_hf({**cfg, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "alpha": 1.0}})
+
+
+def test_gemma3_scaling_on_full_layers_only_is_refused():
+    """Gemma 3 4B+ scales only its full layers (linear, factor 8); the decoder applies one scaling to
+    every layer, so that stays refused rather than applied to the sliding layers too."""
+    cfg = json.loads(fixture("hf", "tiny-gemma3", "config.json").read_text())
+    params = {**cfg["rope_parameters"]}
+    params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": 8.0}
+    with pytest.raises(ImportFormatError, match="differs between full and sliding layers"):
+        config_from_hf({**cfg, "rope_parameters": params})
+
+
+def _llama_gguf(path: Path, scaling: str, factor: float) -> Path:
+    """A llama GGUF of metadata only, with llama.cpp's converter's rope.scaling keys."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_vocab_size(256)
+    w.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+    w.add_rope_scaling_factor(factor)
+    w.add_rope_scaling_orig_ctx_len(512)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_linear_scaling_divides_every_frequency_and_yarn_stays_refused(tmp_path):
+    """llama.cpp applies linear scaling as freq_scale = 1 / factor on every frequency; its YaRN
+    (own ramp and attention factor) is not checked against llama.cpp yet, so it is refused."""
+    config = config_from_gguf(open_gguf(_llama_gguf(tmp_path / "linear.gguf", "linear", 4.0)))
+    assert config.rope_freq_factors == (4.0,) * 8 and config.rope_attn_factor == 1.0
+    with pytest.raises(ImportFormatError, match="RoPE scaling 'yarn' is not supported"):
+        config_from_gguf(open_gguf(_llama_gguf(tmp_path / "yarn.gguf", "yarn", 4.0)))
