@@ -128,11 +128,16 @@ class Tokenizer:
         return bool(self.chat_template) and "tools" in self.chat_template
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """`variables`: more the template may read (e.g. Qwen3's enable_thinking)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        extra = {} if tools is None else {"tools": tools}
+        extra = {**(variables or {}), **({} if tools is None else {"tools": tools})}
         try:
             return self._template.render(
                 messages=messages,
