@@ -64,7 +64,9 @@ SYNTAX = {
     "mistral": Syntax("[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]", "[TOOL_CALLS]"),
     "qwen3_coder": Syntax("", OPEN + "\n<function=", ">\n", "</function>\n" + CLOSE, "\n", "", OPEN),
 }
-NOT_PARAM_END = r"/(.|\n)*/ & ~/(.|\n)*\n<\/parameter>(.|\n)*/"  # a Qwen3-Coder string value
+# A Qwen3-Coder string value with its end, as one terminal (a lexer takes the longest match: a value
+# apart from its end tag would swallow the tag's start): text up to the first "\n</parameter>\n".
+STRING_PARAM = r"/(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*\n<\/parameter>(.|\n)*\n<\/parameter>\n/"
 
 
 @dataclass
@@ -128,14 +130,14 @@ def _args_rules(rule: str, schema: dict, fmt: str) -> list[str]:
     props, required = schema.get("properties") or {}, set(schema.get("required") or ())
     parts, rules = [], []
     for j, (prop, sub) in enumerate(props.items()):
-        value = f"{rule}_{j}v"
+        start = _lark_str(f"<parameter={prop}>\n")
         if isinstance(sub, dict) and sub.get("type") == "string":
-            rules.append(f"{value.upper()}: {NOT_PARAM_END}")
-            value = value.upper()
+            rules.append(f"{rule.upper()}_{j}: {STRING_PARAM}")
+            block = f"{start} {rule.upper()}_{j}"
         else:
             sub = sub if isinstance(sub, dict) else {}
-            rules.append(f"{value}: %json {json.dumps({**sub, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}")
-        block = f"{_lark_str(f'<parameter={prop}>' + chr(10))} {value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
+            rules.append(f"{rule}_{j}: %json {json.dumps({**sub, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}")
+            block = f"{start} {rule}_{j} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
         parts.append(block if prop in required else f"({block})?")
     return [f"{rule}: {' '.join(parts) or _lark_str('')}"] + rules
 
