@@ -30,19 +30,16 @@ def tokenizer(smollm2):
 
 
 @pytest.fixture
-def serve(tokenizer):
-    servers = []
-
+def serve(tokenizer, request):
     def start(output: str, tok: Tokenizer | None = None, **kw):
+        """A server whose fake model writes `output` (then EOS); stopped when the test ends."""
         tok = tok or tokenizer
         runner = FakeRunner(tok.encode(output, add_bos=False) + [tok.eos_id])
         server = LiveServer(create_app(runner, tok, "m", 512, **kw))
-        servers.append(server)
+        request.addfinalizer(server.stop)
         return server, runner
 
-    yield start
-    for s in servers:
-        s.stop()
+    return start
 
 
 def chat(server, stream: bool = False, **body):

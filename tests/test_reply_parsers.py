@@ -60,7 +60,8 @@ CASES = {
     "qwen3 thinking, then a hermes call": (
         "qwen3",
         "hermes",
-        '<think>\nI need the weather tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "<think>\nI need the weather tool.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
         ("\nI need the weather tool.\n", "", [("get_weather", {"city": "Paris"})]),
     ),
     "hermes: text then two calls": (

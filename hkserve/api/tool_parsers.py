@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hkserve.api.tools import CallDelta, ToolCallParser, held
+from hkserve.api.tools import CallDelta, CallParser, ToolCallParser, held
 
 FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 CHOICES = ("auto", *FORMATS)
@@ -32,17 +31,14 @@ QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S
 Parsed = list[tuple[str, dict]]  # (name, arguments) per call
 
 
-@dataclass
-class BlockParser:
+@dataclass(kw_only=True)
+class BlockParser(CallParser):
     """Content until a call marker (or, for `at_start`, an opening at the reply's start), then calls
     parsed once the reply is whole."""
 
     parse: Callable[[str], Parsed | None]
     markers: tuple[str, ...]
     at_start: tuple[str, ...] = ()
-    text_content: bool = True  # "auto": text outside calls is content; "required"/named: it is not
-    calls: list[dict] = field(default_factory=list)
-    _buffer: str = ""
     _state: str = "start"  # start | text | calls
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
@@ -68,11 +64,7 @@ class BlockParser:
             parsed = self.parse(self._buffer)
             if parsed is None:  # not calls after all: the text stays the reply's
                 content += self._buffer
-            for name, arguments in parsed or []:
-                call_id = "call_" + uuid.uuid4().hex[:24]
-                args = json.dumps(arguments, ensure_ascii=False)
-                self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
-                deltas.append(CallDelta(len(self.calls) - 1, args, call_id, name))
+            deltas = [self._open_call(name, json.dumps(args, ensure_ascii=False)) for name, args in parsed or []]
             self._buffer = ""
         return (content if self.text_content else ""), deltas
 
@@ -160,10 +152,12 @@ def make_parser(fmt: str, functions: dict[str, dict], text_content: bool):
     if fmt == "hermes":
         return ToolCallParser(text_content=text_content)
     if fmt == "llama3_json":
-        return BlockParser(parse_llama3, (PYTHON_TAG,), ("{", PYTHON_TAG), text_content)
+        return BlockParser(
+            parse=parse_llama3, markers=(PYTHON_TAG,), at_start=("{", PYTHON_TAG), text_content=text_content
+        )
     if fmt == "mistral":
-        return BlockParser(parse_mistral, (TOOL_CALLS,), (), text_content)
-    return BlockParser(qwen3_coder_parser(functions), ("<tool_call>",), (), text_content)
+        return BlockParser(parse=parse_mistral, markers=(TOOL_CALLS,), text_content=text_content)
+    return BlockParser(parse=qwen3_coder_parser(functions), markers=("<tool_call>",), text_content=text_content)
 
 
 def detect(template: str | None) -> str:

@@ -265,14 +265,26 @@ class CallDelta:
 
 
 @dataclass
-class ToolCallParser:
-    """The model's text → content and tool calls, incrementally: text that may still become part of a
-    call marker is held back until it cannot. Streaming and whole responses both go through it, so a
-    streamed call reassembles to exactly the whole one."""
+class CallParser:
+    """What every format's parser keeps: the calls so far (OpenAI's shape) and the text not yet read."""
 
     text_content: bool = True  # "auto": text outside calls is content; "required"/named: it is separators
     calls: list[dict] = field(default_factory=list)
     _buffer: str = ""
+
+    def _open_call(self, name: str, arguments: str = "") -> CallDelta:
+        """A new call, and its first delta (id and name)."""
+        call_id = "call_" + uuid.uuid4().hex[:24]
+        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        return CallDelta(len(self.calls) - 1, arguments, call_id, name)
+
+
+@dataclass
+class ToolCallParser(CallParser):
+    """Hermes' calls from the model's text, incrementally: text that may still become part of a call
+    marker is held back until it cannot. Streaming and whole responses both go through it, so a
+    streamed call reassembles to exactly the whole one."""
+
     _state: str = "text"  # text | head | args
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
@@ -294,14 +306,7 @@ class ToolCallParser:
                     if final:  # an unfinished call: its text stays content
                         content, self._buffer = content + OPEN + self._buffer, ""
                     break
-                name = self._buffer[len(HEAD) : end]
-                call = {
-                    "id": "call_" + uuid.uuid4().hex[:24],
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-                self.calls.append(call)
-                deltas.append(CallDelta(len(self.calls) - 1, "", call["id"], name))
+                deltas.append(self._open_call(self._buffer[len(HEAD) : end]))
                 self._buffer, self._state = self._buffer[end + len(NAME_END) :], "args"
             else:
                 at = self._buffer.find(TERM)
