@@ -18,7 +18,7 @@ WEATHER = {
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
 }
 QWEN3_LIKE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for i in range(messages | length) %}{% set m = messages[i] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
     "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
@@ -111,8 +111,9 @@ def test_chat_template_kwargs_reach_the_template(serve, tokenizer):
     assert chat(server).status_code == 200
     off, on = (tok.decode(r.prompt_ids) for r in runner.submitted)
     assert off.endswith("assistant\n<think>\n\n</think>\n\n") and on.endswith("assistant\n")
-    r = chat(server, chat_template_kwargs={"messages": []})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    for bad in ({"messages": []}, {"range": 3}):  # the template's own variable; a global it calls
+        r = chat(server, chat_template_kwargs=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize(

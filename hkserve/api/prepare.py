@@ -62,6 +62,11 @@ def encode_chat(
         text = ctx.tokenizer.render_chat(messages, tools=tools, variables=variables)
     except ValueError as e:  # the template refused these messages
         raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # only a client's variable can break a template that renders without them
+        if not variables:
+            raise
+        message = f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}"
+        raise APIError(400, message, param="chat_template_kwargs") from None
     return encode(ctx, text, "messages", add_bos=False)  # the template writes any BOS itself
 
 
