@@ -18,7 +18,8 @@ WEATHER = {
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
 }
 QWEN3_LIKE = (
-    "{% for i in range(messages | length) %}{% set m = messages[i] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for i in range(messages | length) %}{% set m = messages[i] %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
     "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
@@ -97,10 +98,11 @@ def test_a_mistral_call_comes_back_as_tool_calls(serve, stream):
     assert choice["finish_reason"] == "tool_calls"
 
 
-def test_auto_detection_on_smollm2_finds_no_reasoning_and_hermes_calls(serve):
+def test_auto_detection_on_smollm2_finds_no_reasoning_and_hermes_calls(serve, tokenizer):
     server, _ = serve("x")
     context = server.server.config.app.state.context
     assert (context.reasoning_parser, context.tool_format) == (None, "hermes")
+    assert tokenizer.has_token("<|im_start|>") and not tokenizer.has_token("<think>")
 
 
 def test_chat_template_kwargs_reach_the_template(serve, tokenizer):

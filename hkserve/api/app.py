@@ -60,7 +60,9 @@ def create_app(
         anyio.CapacityLimiter(limits.cpu_threads),
         created=int(time.time()),
         max_prompt_chars=max_len * longest_token(tokenizer) * CHARS_PER_TOKEN_MARGIN,
-        reasoning_parser=reasoning.choose(reasoning_parser, tokenizer.chat_template, has_think_token(tokenizer)),
+        reasoning_parser=reasoning.choose(
+            reasoning_parser, tokenizer.chat_template, tokenizer.has_token(reasoning.START)
+        ),
         tool_format=tool_parsers.choose(tool_call_parser, tokenizer.chat_template),
     )
     install_error_handlers(app)
@@ -72,8 +74,3 @@ def create_app(
     if web_page:  # the chat page at / (--no-web: / is a 404)
         app.include_router(web.router)
     return app
-
-
-def has_think_token(tokenizer: Tokenizer) -> bool:
-    """Whether `<think>` is one token of the vocabulary (reasoning models add it)."""
-    return len(tokenizer.encode(reasoning.START, add_bos=False)) == 1

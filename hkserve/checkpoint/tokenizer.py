@@ -121,6 +121,12 @@ class Tokenizer:
             return self.backend.id_to_token(int(token_id)) or ""
         return self.backend.id_to_piece(int(token_id))
 
+    def has_token(self, text: str) -> bool:
+        """Whether `text` is one token of the vocabulary (e.g. an added `<think>`)."""
+        if self.kind == "hf":
+            return self.backend.token_to_id(text) is not None
+        return self.backend.piece_to_id(text) != self.backend.unk_id()
+
     # -- chat -----------------------------------------------------------------------------------
     @property
     def template_takes_tools(self) -> bool:
