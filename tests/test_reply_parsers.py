@@ -243,3 +243,27 @@ def test_a_response_format_constrains_only_the_answer_after_the_reasoning(compil
     assert _accepts(compiler, spec, opened + "Free {text} here.\n</think>\n\n" + '{"n": 4}')
     assert not _accepts(compiler, spec, opened + "Free text.\n</think>\n\nnot json")
     assert _accepts(compiler, spec, '{"n": 4}') == (parser_name == "qwen3")  # qwen3 may skip thinking
+
+
+def test_qwen3_coder_string_parameters_keep_enum_and_max_length(compiler):
+    unit = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}, "unit": unit}}
+    tool = {"type": "function", "function": {"name": "w", "parameters": {**params, "required": ["city", "unit"]}}}
+    grammar = parse_tools([tool], "required", False, "qwen3_coder").grammar()
+
+    def call(city: str, unit: str) -> str:
+        params = f"<parameter=city>\n{city}\n</parameter>\n<parameter=unit>\n{unit}\n</parameter>\n"
+        return f"<tool_call>\n<function=w>\n{params}</function>\n</tool_call>"
+
+    assert _accepts(compiler, grammar, call("Paris", "celsius"))
+    assert not _accepts(compiler, grammar, call("Paris", "kelvin"))
+    assert not _accepts(compiler, grammar, call("Londres", "celsius"))
+    pattern = {
+        "type": "function",
+        "function": {
+            "name": "w",
+            "parameters": {"type": "object", "properties": {"c": {"type": "string", "pattern": "^a$"}}},
+        },
+    }
+    with pytest.raises(ValueError, match="pattern"):
+        parse_tools([pattern], "required", False, "qwen3_coder").grammar()

@@ -140,9 +140,9 @@ def structure(
     a reasoning parser, what the answer after the reasoning must match."""
     try:
         spec = output_spec(body.response_format, body.structured_outputs)
+        tool_grammar = tools.grammar() if tools is not None else None
     except FieldError as e:
         raise APIError(400, str(e), param=e.param) from None
-    tool_grammar = tools.grammar() if tools is not None else None
     if spec is not None and tool_grammar is not None:
         raise APIError(400, "a request constrained by tools cannot also set a response format", param="tools")
     spec, param = (spec, "response_format") if spec is not None else (tool_grammar, "tools")

@@ -64,9 +64,6 @@ SYNTAX = {
     "mistral": Syntax("[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]", "[TOOL_CALLS]"),
     "qwen3_coder": Syntax("", OPEN + "\n<function=", ">\n", "</function>\n" + CLOSE, "\n", "", OPEN),
 }
-# A Qwen3-Coder string value with its end, as one terminal (a lexer takes the longest match: a value
-# apart from its end tag would swallow the tag's start): text up to the first "\n</parameter>\n".
-STRING_PARAM = r"/(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*\n<\/parameter>(.|\n)*\n<\/parameter>\n/"
 
 
 @dataclass
@@ -132,7 +129,7 @@ def _args_rules(rule: str, schema: dict, fmt: str) -> list[str]:
     for j, (prop, sub) in enumerate(props.items()):
         start = _lark_str(f"<parameter={prop}>\n")
         if isinstance(sub, dict) and sub.get("type") == "string":
-            rules.append(f"{rule.upper()}_{j}: {STRING_PARAM}")
+            rules.append(f"{rule.upper()}_{j}: {_string_param(sub)}")
             block = f"{start} {rule.upper()}_{j}"
         else:
             sub = sub if isinstance(sub, dict) else {}
@@ -140,6 +137,20 @@ def _args_rules(rule: str, schema: dict, fmt: str) -> list[str]:
             block = f"{start} {rule}_{j} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
         parts.append(block if prop in required else f"({block})?")
     return [f"{rule}: {' '.join(parts) or _lark_str('')}"] + rules
+
+
+def _string_param(schema: dict) -> str:
+    """A Qwen3-Coder string value and its end tag, as one terminal: one of an `enum`, at most `maxLength`
+    characters, or any text up to the first end tag. (Other string constraints, such as `pattern`, are
+    not enforced on this format's raw strings: refused.)"""
+    end = r"\n<\/parameter>\n"
+    if "enum" in schema:
+        return " | ".join(_lark_str(f"{v}\n</parameter>\n") for v in schema["enum"] if isinstance(v, str))
+    unsupported = sorted(set(schema) & {"pattern", "format", "minLength", "const"})
+    if unsupported:
+        raise FieldError("tools", f"qwen3_coder string parameters cannot be constrained by {', '.join(unsupported)}")
+    length = f"{{0,{int(schema['maxLength'])}}}" if isinstance(schema.get("maxLength"), int) else "*"
+    return rf"/(.|\n){length}{end}/ & ~/(.|\n)*{end[:-2]}(.|\n)*{end}/"
 
 
 def _lark_str(text: str) -> str:
