@@ -8,7 +8,8 @@ Two families write it differently:
   empty one in the prompt), so only an output that starts with `<think>` has reasoning.
 
 ReasoningParser is fed the output's text as it comes (whole replies feed it all at once), holding back
-text that may still become a tag, so a streamed reply splits exactly as the whole one.
+text that may still become a tag, so a streamed reply splits exactly as the whole one. `choose` picks
+the parser (`--reasoning-parser`), `answer_only` makes a request's grammar constrain the answer alone.
 """
 
 from __future__ import annotations
