@@ -39,6 +39,7 @@ READ_BY_HKSERVE = frozenset(
         "HKSERVE_COMPILE_CACHE",  # cli/compile_cache.py
         "HKSERVE_COMPILE_CACHE_MAX_MB",
         "HKSERVE_KERNEL_THREADS",  # kernels/dispatch.py
+        "HKSERVE_KERNEL_ISA",  # kernels/dispatch.py (avx2: force the AVX2 paths)
         "HKSERVE_XLA_DEFAULTS",  # cli/xla_flags.py
         "HKSERVE_TRAIN_KILL_AFTER_STEP",  # train/loop.py (tests)
         "HKSERVE_TEST_HOME",  # tests/conftest.py

@@ -72,6 +72,7 @@ HOSTILE_FIELDS = [
     *("prompt", "messages", "max_tokens", "n", "top_k", "top_p", "temperature", "seed", "logit_bias", "stop"),
     *("logprobs", "top_logprobs", "repetition_penalty", "min_p", "presence_penalty", "model", "stream", "echo"),
     *("stream_options", "max_completion_tokens", "\udc00", "prompt" * 1000),
+    *("chat_template_kwargs", "best_of"),
 ]
 KNOWN_MUTATIONS = [  # issue 15's findings, each on an otherwise valid body
     ("top_k", "2147483648"),

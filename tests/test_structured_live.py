@@ -61,6 +61,7 @@ def live(smollm2):
     engine = Engine(build_model(info.config), params, EngineOptions(slots=16, max_len=640, prefill_buckets=(64, 512)))
     runner = InferenceRunner(engine, max_queue=256).start(warmup=False)
     server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
+    server.runner, server.tokenizer = runner, tokenizer  # for apps of other settings over the same engine
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
     yield server, client
     server.stop()
@@ -289,3 +290,25 @@ def test_bad_grammars_and_tools_are_400s_with_openai_bodies(live, body, param):
     assert r.status_code == 400, r.text
     validate(r.json(), "ErrorResponse")
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral", "qwen3_coder"])
+def test_each_format_s_enforced_call_is_read_back_whole_and_streamed(live, fmt):
+    """The grammar makes SmolLM2 write the call in the format's own syntax, which its parser reads
+    back: a call that validates, the same whole and streamed (same seed)."""
+    server, _ = live
+    app = create_app(server.runner, server.tokenizer, NAME, 640, tool_call_parser=fmt)
+    other = LiveServer(app)
+    try:
+        client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        reply, chunks = _call(client, NAMED, 0), list(_call(client, NAMED, 0, stream=True))
+    finally:
+        other.stop()
+    choice = reply.choices[0]
+    validate(reply.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), TIME["function"]["parameters"])
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in pieces] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]

@@ -15,7 +15,7 @@ import anyio
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from hkserve.api import spec_metrics, web
+from hkserve.api import reasoning, spec_metrics, tool_parsers, web
 from hkserve.api.access import access_check
 from hkserve.api.context import CHARS_PER_TOKEN_MARGIN, ServerContext, longest_token
 from hkserve.api.errors import install_error_handlers
@@ -38,7 +38,11 @@ def create_app(
     cors_origins: tuple[str, ...] = (),
     limits: ServerLimits = ServerLimits(),
     web_page: bool = True,
+    reasoning_parser: str = "auto",
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
+    """The app; `reasoning_parser` and `tool_call_parser` are the --reasoning-parser and
+    --tool-call-parser choices ("auto": from the chat template and vocabulary)."""
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
     app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
@@ -56,6 +60,10 @@ def create_app(
         anyio.CapacityLimiter(limits.cpu_threads),
         created=int(time.time()),
         max_prompt_chars=max_len * longest_token(tokenizer) * CHARS_PER_TOKEN_MARGIN,
+        reasoning_parser=reasoning.choose(
+            reasoning_parser, tokenizer.chat_template, tokenizer.has_token(reasoning.START)
+        ),
+        tool_format=tool_parsers.choose(tool_call_parser, tokenizer.chat_template),
     )
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, check=access_check(app.state, api_key), limits=limits)

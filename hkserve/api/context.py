@@ -36,6 +36,8 @@ class ServerContext:
     cpu: anyio.CapacityLimiter  # the threads that parse, render chat templates and tokenize
     created: int  # unix time the server started (the model card's `created`)
     max_prompt_chars: int  # longer prompts cannot fit at any tokenization (CHARS_PER_TOKEN_MARGIN)
+    reasoning_parser: str | None = None  # reasoning.PARSERS, or None: all the output is content
+    tool_format: str = "hermes"  # tool_parsers.FORMATS: how the model writes tool calls
 
     async def off_loop(self, fn, *args):
         """fn(*args) on one of the CPU threads: the event loop keeps serving meanwhile."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from hkserve.api.generation import Generation, Update
-from hkserve.api.tools import ToolCallParser, Tools
+from hkserve.api.reply import ReplyParser
+from hkserve.api.tools import Tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.outputs import ScoredToken, Token
 
@@ -26,6 +27,9 @@ class _Format:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    def _usage(self, gen: Generation) -> dict:
+        return gen.usage()
+
     def chunks(self, gen: Generation, update) -> list[dict]:
         """Stream chunks for the start (update None), one update, or the end (update "usage")."""
         if update is None:
@@ -33,7 +37,7 @@ class _Format:
         if update == "usage":
             if not self.include_usage:
                 return []
-            return [self._envelope(gen, self.object_chunk, [], gen.usage(), True)]
+            return [self._envelope(gen, self.object_chunk, [], self._usage(gen), True)]
         choice = self._chunk_choice(update)
         if choice is None:
             return []
@@ -137,20 +141,37 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """Chat replies, split by ReplyParser: `reasoning_content` (when a reasoning parser is on),
+    `content` and `tool_calls` (when tools are)."""
+
     object_final = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, tokenizer: Tokenizer, model: str, body, tools: Tools | None = None):
+    def __init__(
+        self, tokenizer: Tokenizer, model: str, body, tools: Tools | None = None, reasoning: str | None = None
+    ):
         super().__init__(tokenizer, model, body)
         self.tools = tools if tools is not None and tools.active else None
-        self.parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+        self.reasoning = reasoning  # the reasoning parser's name, or None
+        self.parsers: dict[int, ReplyParser] = {}  # per choice
 
-    def _parser(self) -> ToolCallParser:
-        return ToolCallParser(text_content=self.tools.choice == "auto")
+    def _parser(self, index: int) -> ReplyParser:
+        return self.parsers.setdefault(index, ReplyParser(self.reasoning, self.tools))
 
     @staticmethod
-    def _reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
-        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+    def _reason(reason: str | None, parser: ReplyParser) -> str | None:
+        return "tool_calls" if reason == "stop" and parser.calls else reason
+
+    def _usage(self, gen: Generation) -> dict:
+        """OpenAI's usage, with completion_tokens_details.reasoning_tokens when reasoning is split."""
+        out = gen.usage()
+        if self.reasoning is not None:
+            encode = self.tokenizer.encode
+            tokens = sum(
+                len(encode(p.reasoning_text, add_bos=False)) for p in self.parsers.values() if p.reasoning_text
+            )
+            out["completion_tokens_details"] = {"reasoning_tokens": tokens}
+        return out
 
     def _entry(self, token_id: int, logprob: float, top: list) -> dict:
         def one(i: int, lp: float) -> dict:
@@ -185,30 +206,29 @@ class ChatFormat(_Format):
 
     def _chunk_choice(self, u: Update) -> dict | None:
         logprobs = self._logprobs(u.logprobs) if u.logprobs else None
-        text, calls, parser = u.text, [], None
-        if self.tools is not None:
-            parser = self.parsers.setdefault(u.choice.index, self._parser())
-            text, pieces = parser.feed(u.text, final=u.finish_reason is not None)
-            calls = [p.openai() for p in pieces]
-        if not text and not calls and u.finish_reason is None and logprobs is None:
+        parser = self._parser(u.choice.index)
+        parts = parser.feed(u.text, final=u.finish_reason is not None)
+        if not parts.reasoning and not parts.content and not parts.calls and u.finish_reason is None and not logprobs:
             return None
-        delta = {"content": text} if text else {}
-        if calls:
-            delta["tool_calls"] = calls
+        delta: dict = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
+        if parts.content:
+            delta["content"] = parts.content
+        if parts.calls:
+            delta["tool_calls"] = [c.openai() for c in parts.calls]
         reason = self._reason(u.finish_reason, parser)
         return {"index": u.choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def final(self, gen: Generation, per_choice: list[list[Update]]) -> dict:
         choices = []
         for c, updates in zip(gen.choices, per_choice):
-            text, parser = "".join(u.text for u in updates), None
-            message = {"role": "assistant", "content": text, "refusal": None}
-            if self.tools is not None:
-                parser = self._parser()
-                text, _ = parser.feed(text, final=True)
-                message["content"] = text if text.strip() or not parser.calls else None
-                if parser.calls:
-                    message["tool_calls"] = parser.calls
+            parser = self._parser(c.index)
+            parts = parser.feed("".join(u.text for u in updates), final=True)
+            message = {"role": "assistant", "content": parts.content, "refusal": None}
+            if self.reasoning is not None:
+                message["reasoning_content"] = parts.reasoning or None
+            if parser.calls:
+                message["content"] = parts.content if parts.content.strip() else None
+                message["tool_calls"] = parser.calls
             entries = [e for u in updates for e in u.logprobs]
             choices.append(
                 {
@@ -218,4 +238,4 @@ class ChatFormat(_Format):
                     "finish_reason": self._reason(c.finish_reason, parser),
                 }
             )
-        return {**self._envelope(gen, self.object_final, choices), "usage": gen.usage()}
+        return {**self._envelope(gen, self.object_final, choices), "usage": self._usage(gen)}

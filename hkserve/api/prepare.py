@@ -14,11 +14,14 @@ from pydantic import BaseModel
 
 from hkserve.api.context import ServerContext
 from hkserve.api.protocol import APIError, SamplingFields, domain_error, parse_body
+from hkserve.api.reasoning import answer_only
 from hkserve.api.structured import FieldError, output_spec
 from hkserve.api.tools import Tools
 from hkserve.engine.constrained import Grammar, GrammarError, GrammarSpec
 from hkserve.engine.state import ContextLengthError, check_context, check_max_tokens
 from hkserve.model.sampling import InvalidSampling, SamplingParams
+
+TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
 
 
 async def parse(ctx: ServerContext, request: Request, model_cls: type[BaseModel]):
@@ -47,12 +50,23 @@ def encode(ctx: ServerContext, text: str, param: str, add_bos: bool | None = Non
     return ctx.tokenizer.encode(text, add_bos=add_bos)
 
 
-def encode_chat(ctx: ServerContext, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The messages through the model's chat template, tokenized."""
+def encode_chat(
+    ctx: ServerContext, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None
+) -> list[int]:
+    """The messages through the model's chat template (with the request's chat_template_kwargs as
+    `variables`), tokenized."""
+    reserved = sorted(set(variables or ()) & TEMPLATE_OWN)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
-        text = ctx.tokenizer.render_chat(messages, tools=tools)
+        text = ctx.tokenizer.render_chat(messages, tools=tools, variables=variables)
     except ValueError as e:  # the template refused these messages
         raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # only a client's variable can break a template that renders without them
+        if not variables:
+            raise
+        message = f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}"
+        raise APIError(400, message, param="chat_template_kwargs") from None
     return encode(ctx, text, "messages", add_bos=False)  # the template writes any BOS itself
 
 
@@ -119,16 +133,23 @@ def sampling(ctx: ServerContext, body: SamplingFields) -> SamplingParams:
     return params
 
 
-def structure(body: SamplingFields, tools: Tools | None = None) -> tuple[GrammarSpec | None, str]:
-    """What the output must match (response_format, structured_outputs or tools) and its field."""
+def structure(
+    body: SamplingFields, tools: Tools | None = None, reasoning: str | None = None
+) -> tuple[GrammarSpec | None, str]:
+    """What the output must match (response_format, structured_outputs or tools) and its field; with
+    a reasoning parser, what the answer after the reasoning must match."""
     try:
         spec = output_spec(body.response_format, body.structured_outputs)
+        tool_grammar = tools.grammar() if tools is not None else None
     except FieldError as e:
         raise APIError(400, str(e), param=e.param) from None
-    tool_grammar = tools.grammar() if tools is not None else None
     if spec is not None and tool_grammar is not None:
         raise APIError(400, "a request constrained by tools cannot also set a response format", param="tools")
-    return (spec, "response_format") if spec is not None else (tool_grammar, "tools")
+    spec, param = (spec, "response_format") if spec is not None else (tool_grammar, "tools")
+    try:
+        return answer_only(spec, reasoning), param
+    except GrammarError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 def compile_grammar(ctx: ServerContext, spec: GrammarSpec | None, param: str) -> Grammar | None:

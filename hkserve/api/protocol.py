@@ -1,7 +1,7 @@
 """OpenAI-compatible request models and the OpenAI error body.
 
-Unknown fields are accepted and ignored (clients send extras), except those that would change what
-the client gets back (the legacy `functions`): those are refused rather than silently dropped.
+Unknown fields are accepted and ignored (clients send extras), except those known to change what the
+client gets back and not implemented here (UNSUPPORTED): those are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +22,20 @@ TokenId = Annotated[int, Strict()]  # not a bool: true and false are not token i
 MAX_STOP = 16
 OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # OpenAI's default temperature; the engine's is greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions (chat has none: to the context)
+# Fields of OpenAI's and vLLM's APIs that change the output and that this server does not implement: a
+# request setting one (to anything but null, false, 0 or empty) is a 400 naming it, never silently served.
+UNSUPPORTED = {
+    "functions": "use tools",  # OpenAI's deprecated forms of tools
+    "function_call": "use tool_choice",
+    "audio": "this server writes text only",
+    "use_beam_search": "beam search is not implemented",
+    "min_tokens": "min_tokens is not implemented",
+    "include_stop_str_in_output": "stop strings are never included",
+    "guided_json": "use response_format or structured_outputs",  # vLLM's former names
+    "guided_regex": "use structured_outputs.regex",
+    "guided_choice": "use structured_outputs.choice",
+    "guided_grammar": "use structured_outputs.grammar",
+}
 
 
 class APIError(Exception):
@@ -90,9 +104,12 @@ class SamplingFields(BaseModel):
     def _checks(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
+        for name, instead in UNSUPPORTED.items():
             if (self.model_extra or {}).get(name):
-                raise ValueError(f"{name} is not supported by this server (use tools)")
+                raise ValueError(f"{name} is not supported by this server ({instead})")
+        modalities = (self.model_extra or {}).get("modalities")
+        if isinstance(modalities, list) and any(m != "text" for m in modalities):
+            raise ValueError("modalities: this server writes text only")
         return self
 
     def sampling(self, seed: int) -> SamplingParams:
@@ -107,6 +124,15 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: top alternatives per prompt token
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)  # only best_of == n (no choice to pick from) is served
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info):
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"only best_of == n ({n}) is supported (no choice is picked from more), got {v}")
+        return v
 
     @model_validator(mode="after")
     def _completion_checks(self):
@@ -162,6 +188,7 @@ class ChatRequest(SamplingFields):
     tools: Any = None  # checked by hkserve/api/tools.py
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking)
 
     @model_validator(mode="after")
     def _chat_checks(self):
@@ -175,6 +202,8 @@ class ChatRequest(SamplingFields):
         out = []
         for m in self.messages:
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:  # templates that write a speaker's name read it
+                message["name"] = m.name
             if m.tool_calls:
                 message["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hkserve.api.structured import FieldError
 from hkserve.engine.constrained import JSON_OPTIONS, GrammarSpec
@@ -44,11 +44,34 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
+class Syntax(NamedTuple):
+    """How a format writes its calls, for the grammar: open, then per call head + name + mid + arguments
+    + tail, calls joined by sep, then close. "auto" lets free text come first, up to `trigger` (None:
+    the calls must start the reply, as Llama's do)."""
+
+    open: str
+    head: str
+    mid: str
+    tail: str
+    sep: str
+    close: str
+    trigger: str | None
+
+
+SYNTAX = {
+    "hermes": Syntax("", OPEN + HEAD, NAME_END, TERM, "\n", "", OPEN),
+    "llama3_json": Syntax("", '{"name": "', '", "parameters": ', "}", "; ", "", None),
+    "mistral": Syntax("[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]", "[TOOL_CALLS]"),
+    "qwen3_coder": Syntax("", OPEN + "\n<function=", ">\n", "</function>\n" + CLOSE, "\n", "", OPEN),
+}
+
+
 @dataclass
 class Tools:
     functions: dict[str, dict]  # name -> {"name", "description", "parameters"}
     choice: str  # "none" | "auto" | "required" | a function's name
     parallel: bool = True
+    format: str = "hermes"  # the format calls are written in (tool_parsers.FORMATS)
 
     @property
     def active(self) -> bool:
@@ -63,37 +86,78 @@ class Tools:
 
     # -- grammar -----------------------------------------------------------------------------------
     def grammar(self) -> GrammarSpec | None:
-        """The Lark grammar the output must match, or None ("none")."""
+        """The Lark grammar the output must match, in this format's syntax, or None ("none")."""
         if not self.active:
             return None
+        syntax = SYNTAX[self.format]
         names = [self.choice] if self.choice in self.functions else list(self.functions)
         rules = []
         for i, name in enumerate(names):
             schema = self.functions[name].get("parameters") or {"type": "object"}
-            schema = {**schema, "x-guidance": JSON_OPTIONS}
-            head = HEAD[1:] + name + NAME_END
-            rules.append(f"body{i}: {_lark_str(head)} args{i} {_lark_str('}')}")
-            rules.append(f"args{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+            rules.append(f"body{i}: {_lark_str(name + syntax.mid)} args{i} {_lark_str(syntax.tail)}")
+            rules += _args_rules(f"args{i}", schema, self.format)
         bodies = " | ".join(f"body{i}" for i in range(len(names)))
-        more = f" ({_lark_str(chr(10))} call)*" if self.parallel and self.choice in ("auto", "required") else ""
-        rules.append(f"call: {_lark_str(OPEN + chr(10))} ({bodies}) {_lark_str(chr(10) + CLOSE)}")
-        if self.choice == "auto":  # free text until the first <tool_call>, then the calls
-            rest = f"{_lark_str(chr(10))} ({bodies}) {_lark_str(chr(10) + CLOSE)}{more}"
+        calls = f"({bodies})"
+        if self.parallel and self.choice in ("auto", "required"):
+            calls += f" ({_lark_str(syntax.sep + syntax.head)} ({bodies}))*"
+        calls += f" {_lark_str(syntax.close)}" if syntax.close else ""
+        first = syntax.open + syntax.head
+        if self.choice != "auto":
+            head_rules = [f"start: {_lark_str(first)} {calls}"]
+        elif syntax.trigger is None:  # free text that does not start a call, or the calls
             head_rules = [
-                f"start: NOCALL | CALLSTART {rest}",
-                r"NOCALL: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/",
-                r"CALLSTART: /(.|\n)*<tool_call>/ & ~/(.|\n)*<tool_call>(.|\n)+/",
+                f"start: NOCALL | {_lark_str(first)} {calls}",
+                r"NOCALL: /(.|\n)*/ & ~/[ \t\n]*\{(.|\n)*/",
             ]
-        else:
-            head_rules = [f"start: call{more}"]
+        else:  # free text until the first trigger, then the calls
+            trigger = re.escape(syntax.trigger).replace("/", "\\/")
+            head_rules = [
+                f"start: NOCALL | CALLSTART {_lark_str(first[len(syntax.trigger) :])} {calls}",
+                rf"NOCALL: /(.|\n)*/ & ~/(.|\n)*{trigger}(.|\n)*/",
+                rf"CALLSTART: /(.|\n)*{trigger}/ & ~/(.|\n)*{trigger}(.|\n)+/",
+            ]
         return GrammarSpec("lark", "\n".join(head_rules + rules) + "\n")
+
+
+def _args_rules(rule: str, schema: dict, fmt: str) -> list[str]:
+    """The arguments' rules: one JSON value of the schema, or Qwen3-Coder's <parameter=...> blocks
+    (its properties in order, the required ones present; strings as written, the rest as JSON)."""
+    if fmt != "qwen3_coder":
+        return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"]
+    props, required = schema.get("properties") or {}, set(schema.get("required") or ())
+    parts, rules = [], []
+    for j, (prop, sub) in enumerate(props.items()):
+        start = _lark_str(f"<parameter={prop}>\n")
+        if isinstance(sub, dict) and sub.get("type") == "string":
+            rules.append(f"{rule.upper()}_{j}: {_string_param(sub)}")
+            block = f"{start} {rule.upper()}_{j}"
+        else:
+            sub = sub if isinstance(sub, dict) else {}
+            rules.append(f"{rule}_{j}: %json {json.dumps({**sub, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}")
+            block = f"{start} {rule}_{j} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
+        parts.append(block if prop in required else f"({block})?")
+    return [f"{rule}: {' '.join(parts) or _lark_str('')}"] + rules
+
+
+def _string_param(schema: dict) -> str:
+    """A Qwen3-Coder string value and its end tag, as one terminal: one of an `enum`, at most `maxLength`
+    characters, or any text up to the first end tag. (Other string constraints, such as `pattern`, are
+    not enforced on this format's raw strings: refused.)"""
+    end = r"\n<\/parameter>\n"
+    if "enum" in schema:
+        return " | ".join(_lark_str(f"{v}\n</parameter>\n") for v in schema["enum"] if isinstance(v, str))
+    unsupported = sorted(set(schema) & {"pattern", "format", "minLength", "const"})
+    if unsupported:
+        raise FieldError("tools", f"qwen3_coder string parameters cannot be constrained by {', '.join(unsupported)}")
+    length = f"{{0,{int(schema['maxLength'])}}}" if isinstance(schema.get("maxLength"), int) else "*"
+    return rf"/(.|\n){length}{end}/ & ~/(.|\n)*{end[:-2]}(.|\n)*{end}/"
 
 
 def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tools | None:
+def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: str = "hermes") -> Tools | None:
     """The request's tools, or None when it has none. Raises FieldError for what cannot be honoured:
     a malformed tool, a duplicate or invalid name, a tool_choice naming a function not given."""
     if tool_choice is not None and not tools:
@@ -122,7 +186,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tools
             entry["parameters"] = params
         functions[name] = entry
     choice = _choice(tool_choice if tool_choice is not None else "auto", functions)
-    return Tools(functions, choice, parallel_tool_calls is not False)
+    return Tools(functions, choice, parallel_tool_calls is not False, fmt)
 
 
 def _choice(tool_choice: Any, functions: dict) -> str:
@@ -212,14 +276,26 @@ class CallDelta:
 
 
 @dataclass
-class ToolCallParser:
-    """The model's text → content and tool calls, incrementally: text that may still become part of a
-    call marker is held back until it cannot. Streaming and whole responses both go through it, so a
-    streamed call reassembles to exactly the whole one."""
+class CallParser:
+    """What every format's parser keeps: the calls so far (OpenAI's shape) and the text not yet read."""
 
     text_content: bool = True  # "auto": text outside calls is content; "required"/named: it is separators
     calls: list[dict] = field(default_factory=list)
     _buffer: str = ""
+
+    def _open_call(self, name: str, arguments: str = "") -> CallDelta:
+        """A new call, and its first delta (id and name)."""
+        call_id = "call_" + uuid.uuid4().hex[:24]
+        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        return CallDelta(len(self.calls) - 1, arguments, call_id, name)
+
+
+@dataclass
+class ToolCallParser(CallParser):
+    """Hermes' calls from the model's text, incrementally: text that may still become part of a call
+    marker is held back until it cannot. Streaming and whole responses both go through it, so a
+    streamed call reassembles to exactly the whole one."""
+
     _state: str = "text"  # text | head | args
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
@@ -229,7 +305,7 @@ class ToolCallParser:
             if self._state == "text":
                 at = self._buffer.find(OPEN)
                 if at < 0:
-                    keep = 0 if final else _held(self._buffer, OPEN)
+                    keep = 0 if final else held(self._buffer, OPEN)
                     content += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
@@ -241,19 +317,12 @@ class ToolCallParser:
                     if final:  # an unfinished call: its text stays content
                         content, self._buffer = content + OPEN + self._buffer, ""
                     break
-                name = self._buffer[len(HEAD) : end]
-                call = {
-                    "id": "call_" + uuid.uuid4().hex[:24],
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-                self.calls.append(call)
-                deltas.append(CallDelta(len(self.calls) - 1, "", call["id"], name))
+                deltas.append(self._open_call(self._buffer[len(HEAD) : end]))
                 self._buffer, self._state = self._buffer[end + len(NAME_END) :], "args"
             else:
                 at = self._buffer.find(TERM)
                 done = at >= 0
-                cut = at if done else len(self._buffer) - (0 if final else _held(self._buffer, TERM))
+                cut = at if done else len(self._buffer) - (0 if final else held(self._buffer, TERM))
                 piece = self._buffer[:cut]
                 if piece:
                     self.calls[-1]["function"]["arguments"] += piece
@@ -267,7 +336,7 @@ class ToolCallParser:
         return content, _merged(deltas)
 
 
-def _held(text: str, marker: str) -> int:
+def held(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (it may yet become the marker)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

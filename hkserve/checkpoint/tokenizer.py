@@ -121,6 +121,12 @@ class Tokenizer:
             return self.backend.id_to_token(int(token_id)) or ""
         return self.backend.id_to_piece(int(token_id))
 
+    def has_token(self, text: str) -> bool:
+        """Whether `text` is one token of the vocabulary (e.g. an added `<think>`)."""
+        if self.kind == "hf":
+            return self.backend.token_to_id(text) is not None
+        return self.backend.piece_to_id(text) != self.backend.unk_id()
+
     # -- chat -----------------------------------------------------------------------------------
     @property
     def template_takes_tools(self) -> bool:
@@ -128,11 +134,16 @@ class Tokenizer:
         return bool(self.chat_template) and "tools" in self.chat_template
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """`variables`: more the template may read (e.g. Qwen3's enable_thinking)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        extra = {} if tools is None else {"tools": tools}
+        extra = {**(variables or {}), **({} if tools is None else {"tools": tools})}
         try:
             return self._template.render(
                 messages=messages,

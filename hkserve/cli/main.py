@@ -20,7 +20,7 @@ from hkserve.cli.generate import run_generate
 from hkserve.cli.loading import add_kv_arguments, add_layers_argument, add_prefix_cache_argument
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
-from hkserve.cli.serve import add_limit_arguments, add_web_argument, run_server
+from hkserve.cli.serve import add_limit_arguments, add_parser_arguments, add_web_argument, run_server
 from hkserve.cli.speculative import add_arguments as add_speculative_arguments
 from hkserve.cli.xla_flags import apply_gpu_defaults
 from hkserve.kernels.dispatch import add_kernels_argument
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_web_argument(p)
+    add_parser_arguments(p)
     add_prefix_cache_argument(p)
     add_kv_arguments(p)
     add_limit_arguments(p.add_argument_group("client limits (what one client may cost the server)"))

@@ -24,6 +24,7 @@ import types
 
 import uvicorn
 
+from hkserve.api import reasoning, tool_parsers
 from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
@@ -101,6 +102,8 @@ class ServeOptions:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     web_page: bool = True  # the chat page at / (--no-web: off)
+    reasoning_parser: str = "auto"  # api/reasoning.py CHOICES
+    tool_call_parser: str = "auto"  # api/tool_parsers.py CHOICES
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -116,11 +119,29 @@ class ServeOptions:
             api_key=args.api_key or os.environ.get("HKSERVE_API_KEY") or None,
             cors_origins=tuple(args.cors_origin or ()),
             web_page=not args.no_web,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
         )
 
 
 def add_web_argument(parser) -> None:
     parser.add_argument("--no-web", action="store_true", help="no chat page at / (it stays a 404)")
+
+
+def add_parser_arguments(parser) -> None:
+    """How chat replies are split: reasoning from the answer, tool calls from text."""
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=reasoning.CHOICES,
+        default="auto",
+        help="split <think> reasoning into reasoning_content (auto: from the chat template and vocabulary)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=tool_parsers.CHOICES,
+        default="auto",
+        help="the format the model writes tool calls in (auto: from the chat template; else hermes)",
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -176,6 +197,8 @@ def run_server(args: argparse.Namespace) -> int:
         cors_origins=options.cors_origins,
         limits=limits,
         web_page=options.web_page,
+        reasoning_parser=options.reasoning_parser,
+        tool_call_parser=options.tool_call_parser,
     )
     serving.app, serving.runner = app, runner
 
