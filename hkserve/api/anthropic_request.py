@@ -1,0 +1,144 @@
+"""Anthropic's Messages API request (POST /v1/messages) and its translation to the chat route's terms:
+system and messages (text, tool_use and tool_result blocks) as chat messages, tools and tool_choice
+as OpenAI-style tools, stop_sequences as stop strings.
+
+Unknown fields are refused (400), not ignored: each field accepted here does what it says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hkserve.api.protocol import MAX_STOP, OPENAI_SAMPLING, APIError
+from hkserve.model.sampling import SamplingParams
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int  # required, as Anthropic's; checked by prepare.token_limits
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stream: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty(cls, v):
+        if v and any(s == "" for s in v):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """Temperature 1 unless given (Anthropic's default), top_p, top_k. Raises InvalidSampling."""
+        given = self.model_dump(include={"temperature", "top_p", "top_k"})
+        return replace(OPENAI_SAMPLING, seed=seed).with_overrides(given)
+
+    def chat_tools(self) -> list[dict] | None:
+        """Anthropic tools ({name, description, input_schema}) in the chat shape."""
+        if self.tools is None:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            unknown = set(tool) - {"name", "description", "input_schema", "type"}
+            if unknown or tool.get("type", "custom") != "custom":
+                raise APIError(400, f"tools.{i}: only custom tools {{name, description, input_schema}}", param="tools")
+            fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+            if tool.get("description") is not None:
+                fn["description"] = tool["description"]
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def chat_tool_choice(self) -> tuple[Any, bool | None]:
+        """(the chat route's tool_choice, parallel_tool_calls)."""
+        choice = self.tool_choice
+        if choice is None:
+            return None, None
+        kind = choice.get("type")
+        unknown = set(choice) - {"type", "name", "disable_parallel_tool_use"}
+        if unknown or kind not in ("auto", "any", "tool", "none"):
+            raise APIError(400, "tool_choice must be {type: auto | any | tool | none}", param="tool_choice")
+        parallel = not choice.get("disable_parallel_tool_use", False)
+        if kind == "tool":
+            return {"type": "function", "function": {"name": choice.get("name")}}, parallel
+        return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+    def chat_messages(self) -> list[dict]:
+        """system and messages as chat messages: tool_result blocks become tool messages, an
+        assistant's tool_use blocks its tool_calls."""
+        out: list[dict] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            out.append({"role": "system", "content": system})
+        for i, m in enumerate(self.messages):
+            blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+            out += _blocks(m.role, blocks, i)
+        return out
+
+
+def _blocks(role: str, blocks: list[dict], i: int) -> list[dict]:
+    text, calls, results = [], [], []
+    for block in blocks:
+        block = {k: v for k, v in block.items() if v is not None}  # a null field asks for nothing
+        kind = block.get("type")
+        if kind == "text" and set(block) <= {"type", "text"} and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_call(block, i))
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "content": _result(block, i), "tool_call_id": block["tool_use_id"]})
+        else:
+            raise _bad(i, f"content blocks of type {kind!r} are not supported here")
+    out = results  # tool results answer the previous turn's calls, so they come first
+    if text or calls or not results:
+        message: dict = {"role": role, "content": "".join(text)}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _bad(i: int, message: str) -> APIError:
+    return APIError(400, f"messages.{i}: {message}", param="messages")
+
+
+def _call(block: dict, i: int) -> dict:
+    if set(block) != {"type", "id", "name", "input"} or not isinstance(block["input"], dict):
+        raise _bad(i, "a tool_use block is {type, id, name, input (an object)}")
+    if not isinstance(block["id"], str) or not isinstance(block["name"], str):
+        raise _bad(i, "a tool_use block's id and name are strings")
+    arguments = json.dumps(block["input"])
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+
+
+def _result(block: dict, i: int) -> str:
+    if set(block) - {"type", "tool_use_id", "content", "is_error"} or not isinstance(block.get("tool_use_id"), str):
+        raise _bad(i, "a tool_result block is {type, tool_use_id, content}")
+    content = block.get("content", "")
+    if not isinstance(content, str):
+        try:
+            content = "".join(TextBlock.model_validate(c).text for c in content)
+        except (TypeError, ValueError):
+            raise _bad(i, "a tool_result's content is a string or text blocks") from None
+    return f"Error: {content}" if block.get("is_error") is True else content  # the model sees the tool failed
