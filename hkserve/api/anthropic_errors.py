@@ -1,8 +1,10 @@
 """Errors on the Anthropic Messages route leave in Anthropic's error body,
-{"type": "error", "error": {"type": ..., "message": ...}}, with the same status; every other path
+{"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}, with the same status; every other path
 keeps OpenAI's (protocol.APIError.body)."""
 
 from __future__ import annotations
+
+import uuid
 
 from hkserve.api.protocol import APIError
 
@@ -21,7 +23,8 @@ TYPES = {  # status -> Anthropic's error type
 
 def anthropic_body(error: APIError) -> dict:
     default = "invalid_request_error" if error.status < 500 else "api_error"
-    return {"type": "error", "error": {"type": TYPES.get(error.status, default), "message": error.message}}
+    error_object = {"type": TYPES.get(error.status, default), "message": error.message}
+    return {"type": "error", "error": error_object, "request_id": "req_" + uuid.uuid4().hex}
 
 
 def error_body(path: str, error: APIError) -> dict:
