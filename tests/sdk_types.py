@@ -14,7 +14,6 @@ import httpx
 import openai.types.responses as R
 import pydantic
 
-
 OMITTED = {  # SDK type -> its optional fields this server leaves out
     "Response": {
         *("access_programs", "background", "completed_at", "conversation", "image", "input_transformations"),
