@@ -354,7 +354,7 @@ def test_a_failed_generation_is_a_500_or_a_typed_error_event_telling_nothing_int
 
 
 def test_response_store_keeps_the_most_recent_within_its_count_and_bytes():
-    store = ResponseStore(max_responses=2, max_bytes=250)  # each `one` is 71 bytes of JSON, `big` 151
+    store = ResponseStore(max_responses=2, max_bytes=250)  # each `one` is 73 bytes of JSON, `big` 153
     one = [{"role": "user", "content": "a" * 40}]
     store.put("r1", one)
     store.put("r2", one)
