@@ -53,7 +53,7 @@ class ResponsesFormat:
             "temperature": b.temperature,
             "top_p": b.top_p,
             "tool_choice": self._tool_choice(),
-            "tools": [{"parameters": None, "strict": None, **t} for t in b.tools or []],
+            "tools": [{"parameters": None, "strict": None, "description": None, **t} for t in b.tools or []],
             "text": b.echoed_text(),
             "truncation": "disabled",
             "metadata": b.metadata or {},
