@@ -14,14 +14,8 @@ import jsonschema
 import openai
 import openai.types.responses as R
 import pytest
-from http_helpers import LiveServer
+from http_helpers import LiveServer, smollm2_server
 from sdk_types import strict, strict_message_event, strict_response_event, typed_events
-
-from hkserve.api.app import create_app
-from hkserve.engine.engine import Engine
-from hkserve.engine.options import EngineOptions
-from hkserve.engine.runner import InferenceRunner
-from hkserve.model.build import build_model
 
 NAME = "smollm2-135m-instruct"
 GREEDY = {"temperature": 0}  # anthropic>=2 takes no temperature argument; the API field goes as extra_body
@@ -61,15 +55,8 @@ MESSAGE_ORDER = [
 
 @pytest.fixture(scope="module")
 def live(smollm2):
-    _, info, tokenizer, params = smollm2
-    engine = Engine(
-        build_model(info.config), params, EngineOptions(slots=4, max_len=512, prefill_buckets=(16, 64), n_top=5)
-    )
-    runner = InferenceRunner(engine, max_queue=32).start(warmup=False)
-    server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
-    yield server
-    server.stop()
-    runner.stop()
+    with smollm2_server(smollm2, NAME, slots=4, max_queue=32) as (server, _):
+        yield server
 
 
 @pytest.fixture(scope="module")

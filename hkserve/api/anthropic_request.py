@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,25 +16,13 @@ from hkserve.api.protocol import MAX_STOP, OPENAI_SAMPLING, APIError
 from hkserve.model.sampling import SamplingParams
 
 
-class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)  # {role, content}: read by _turn
     max_tokens: int  # required, as Anthropic's; checked by prepare.token_limits
-    system: str | list[TextBlock] | None = None
+    system: str | list[dict[str, Any]] | None = None  # text blocks
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
     temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = None
@@ -89,12 +77,25 @@ class MessagesRequest(BaseModel):
         assistant's tool_use blocks its tool_calls."""
         out: list[dict] = []
         if self.system:
-            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            system = self.system if isinstance(self.system, str) else _texts(self.system)
+            if system is None:
+                raise APIError(400, "system is a string or a list of text blocks {type: text, text}", param="system")
             out.append({"role": "system", "content": system})
         for i, m in enumerate(self.messages):
-            blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
-            out += _blocks(m.role, blocks, i)
+            out += _turn(m, i)
         return out
+
+
+def _turn(message: dict, i: int) -> list[dict]:
+    """One turn, {role: user | assistant, content: a string or blocks}, as chat messages."""
+    role, content = message.get("role"), message.get("content")
+    if set(message) != {"role", "content"} or role not in ("user", "assistant"):
+        raise _bad(i, "a message is {role: user | assistant, content}")
+    if isinstance(content, str):
+        return _blocks(role, [{"type": "text", "text": content}], i)
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise _bad(i, "content is a string or a list of blocks")
+    return _blocks(role, content, i)
 
 
 def _blocks(role: str, blocks: list[dict], i: int) -> list[dict]:
@@ -119,6 +120,15 @@ def _blocks(role: str, blocks: list[dict], i: int) -> list[dict]:
     return out
 
 
+def _texts(blocks) -> str | None:
+    """The text of a list of text blocks ({type: text, text}; cache_control, citations and any other
+    field refused), or None when it is not one."""
+    if not isinstance(blocks, list):
+        return None
+    ok = all(isinstance(b, dict) and set(b) == {"type", "text"} and b["type"] == "text" for b in blocks)
+    return "".join(b["text"] for b in blocks) if ok and all(isinstance(b["text"], str) for b in blocks) else None
+
+
 def _bad(i: int, message: str) -> APIError:
     return APIError(400, f"messages.{i}: {message}", param="messages")
 
@@ -137,8 +147,7 @@ def _result(block: dict, i: int) -> str:
         raise _bad(i, "a tool_result block is {type, tool_use_id, content}")
     content = block.get("content", "")
     if not isinstance(content, str):
-        try:
-            content = "".join(TextBlock.model_validate(c).text for c in content)
-        except (TypeError, ValueError):
-            raise _bad(i, "a tool_result's content is a string or text blocks") from None
+        content = _texts(content)
+        if content is None:
+            raise _bad(i, "a tool_result's content is a string or text blocks")
     return f"Error: {content}" if block.get("is_error") is True else content  # the model sees the tool failed
