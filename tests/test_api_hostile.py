@@ -373,3 +373,17 @@ def test_response_store_keeps_the_most_recent_within_its_count_and_bytes():
     with pytest.raises(APIError):
         store.get("huge")
     assert store.get("r4") == big
+
+
+def test_responses_store_false_is_not_kept_and_metadata_comes_back(serve):
+    server, runner = serve()
+    url = server.url + "/v1/responses"
+    kept = httpx.post(url, json={"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "v"}}).json()
+    assert kept["metadata"] == {"k": "v"}
+    unkept = httpx.post(url, json={"input": "Hi", "max_output_tokens": 2, "store": False}).json()
+    follow = httpx.post(url, json={"input": "and?", "max_output_tokens": 2, "previous_response_id": kept["id"]})
+    assert follow.status_code == 200 and follow.json()["previous_response_id"] == kept["id"]
+    # the follow-up's prompt holds the stored turn: "Hi", the reply, then "and?"
+    assert len(runner.submitted[-1].prompt_ids) > len(runner.submitted[0].prompt_ids)
+    r = httpx.post(url, json={"input": "and?", "previous_response_id": unkept["id"]})
+    assert error(r, 400)["param"] == "previous_response_id"
