@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import socket
@@ -12,10 +13,14 @@ import jsonschema
 import uvicorn
 from helpers import require_fixtures
 
+from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
+from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
 from hkserve.engine.outputs import Token
 from hkserve.engine.requests import Event, Overloaded, RequestStream
-from hkserve.engine.runner import RunnerStats
+from hkserve.engine.runner import InferenceRunner, RunnerStats
+from hkserve.model.build import build_model
 
 
 class LiveServer:
@@ -37,6 +42,21 @@ class LiveServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def smollm2_server(smollm2, name: str, slots: int, max_queue: int, max_len: int = 512):
+    """(server, runner): SmolLM2 on the engine behind a live server, no warm-up (tests compile as they go)."""
+    _, info, tokenizer, params = smollm2
+    options = EngineOptions(slots=slots, max_len=max_len, prefill_buckets=(16, 64), n_top=5)
+    engine = Engine(build_model(info.config), params, options)
+    runner = InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
+    server = LiveServer(create_app(runner, tokenizer, name, engine.max_len))
+    try:
+        yield server, runner
+    finally:
+        server.stop()
+        runner.stop()
 
 
 class FakeRunner:

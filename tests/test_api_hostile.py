@@ -10,14 +10,18 @@ import socket
 import threading
 import time
 
+import anthropic
 import httpx
 import jax
 import pytest
 from helpers import tiny_config
 from http_helpers import FakeRunner, LiveServer, validate
+from sdk_types import strict, strict_message_event, strict_response_event, typed_events
 
 from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits
+from hkserve.api.protocol import APIError
+from hkserve.api.response_store import ResponseStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
@@ -284,3 +288,102 @@ def test_a_request_needing_more_choices_than_the_queue_is_400_and_a_refused_one_
     held += [runner.submit(Request([5], 1)) for _ in range(2)]  # the two choices it had queued are gone
     with pytest.raises(Overloaded):  # and the queue of 4 is full again with the held requests
         runner.submit(Request([5], 1))
+
+
+# -- the Responses and Anthropic Messages routes (hkserve/api/routes/{responses,messages}.py) -----------
+MESSAGES_BODY = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def anthropic_error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    strict(anthropic.types.ErrorResponse, response.json())
+    return response.json()["error"]
+
+
+def test_x_api_key_beside_bearer_and_anthropic_errors_before_any_route(serve, tokenizer):
+    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT) + [tokenizer.eos_id])
+    limits = ServerLimits(max_body_bytes=1000)
+    server = LiveServer(create_app(runner, tokenizer, "m", 256, api_key="k3y", limits=limits), limits)
+    try:
+        url = server.url + "/v1/messages"
+        assert anthropic_error(httpx.post(url, json=MESSAGES_BODY), 401)["type"] == "authentication_error"
+        assert anthropic_error(httpx.post(url, json=MESSAGES_BODY, headers={"x-api-key": "nope"}), 401)
+        assert httpx.post(url, json=MESSAGES_BODY, headers={"x-api-key": "k3y"}).status_code == 200
+        assert httpx.post(url, json=MESSAGES_BODY, headers={"authorization": "Bearer k3y"}).status_code == 200
+        body = {"input": "Hi", "max_output_tokens": 4}
+        assert httpx.post(server.url + "/v1/responses", json=body, headers={"x-api-key": "k3y"}).status_code == 200
+        error(httpx.post(server.url + "/v1/responses", json=body), 401)  # OpenAI's body off the Messages route
+        big = anthropic_error(httpx.post(url, content=b"x" * 2000, headers={"x-api-key": "k3y"}), 413)
+        assert "1000 bytes" in big["message"]
+        client = anthropic.Anthropic(base_url=server.url, api_key="k3y", max_retries=0)
+        assert client.messages.create(model="m", **MESSAGES_BODY).content[0].text == "Hello world! The"
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=server.url, api_key="bad", max_retries=0).messages.create(
+                model="m", **MESSAGES_BODY
+            )
+    finally:
+        server.stop()
+
+
+class FailingRunner(FakeRunner):
+    """Every generation ends with the runner's error event (a failed generation), with internal details."""
+
+    def submit(self, request, loop=None):
+        stream = RequestStream(request, loop)
+        stream.push(Event(request.id, None, "error", "device detail: XLA said no"))
+        return stream
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_failed_generation_is_a_500_or_a_typed_error_event_telling_nothing_internal(serve, tokenizer, path):
+    server, _ = serve(FailingRunner(tokenizer.encode(SCRIPT_TEXT)))
+    body = {"input": "x"} if path == "/v1/responses" else {**MESSAGES_BODY}
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        events = typed_events(r)
+    assert events[-1]["type"] == "error" and "XLA" not in json.dumps(events[-1]), events
+    check_event = strict_response_event if path == "/v1/responses" else strict_message_event
+    for event in events:
+        check_event(event)
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 500 and "secret" not in r.text
+    if path == "/v1/messages":
+        assert anthropic_error(r, 500)["type"] == "api_error"
+    else:
+        error(r, 500)
+
+
+def test_response_store_keeps_the_most_recent_within_its_count_and_bytes():
+    store = ResponseStore(max_responses=2, max_bytes=250)  # each `one` is 73 bytes of JSON, `big` 153
+    one = [{"role": "user", "content": "a" * 40}]
+    store.put("r1", one)
+    store.put("r2", one)
+    assert store.get("r1") == one  # r1 is now the most recent
+    store.put("r3", one)  # the count limit drops the least recently used: r2
+    assert len(store) == 2 and store.get("r3") == one and store.get("r1") == one
+    with pytest.raises(APIError) as e:
+        store.get("r2")
+    assert e.value.status == 400 and e.value.param == "previous_response_id"
+    big = [{"role": "user", "content": "b" * 120}]  # with r1 and r3 over 250 bytes: r3 (LRU) goes
+    store.put("r4", big)
+    assert store.bytes <= 250 and store.get("r4") == big and store.get("r1") == one
+    with pytest.raises(APIError):
+        store.get("r3")
+    store.put("huge", [{"role": "user", "content": "c" * 300}])  # larger than the whole store: not kept
+    with pytest.raises(APIError):
+        store.get("huge")
+    assert store.get("r4") == big
+
+
+def test_responses_store_false_is_not_kept_and_metadata_comes_back(serve):
+    server, runner = serve()
+    url = server.url + "/v1/responses"
+    kept = httpx.post(url, json={"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "v"}}).json()
+    assert kept["metadata"] == {"k": "v"}
+    unkept = httpx.post(url, json={"input": "Hi", "max_output_tokens": 2, "store": False}).json()
+    follow = httpx.post(url, json={"input": "and?", "max_output_tokens": 2, "previous_response_id": kept["id"]})
+    assert follow.status_code == 200 and follow.json()["previous_response_id"] == kept["id"]
+    # the follow-up's prompt holds the stored turn: "Hi", the reply, then "and?"
+    assert len(runner.submitted[-1].prompt_ids) > len(runner.submitted[0].prompt_ids)
+    r = httpx.post(url, json={"input": "and?", "previous_response_id": unkept["id"]})
+    assert error(r, 400)["param"] == "previous_response_id"

@@ -9,29 +9,16 @@ import time
 import httpx
 import openai
 import pytest
-from http_helpers import LiveServer, sse_events, validate
-
-from hkserve.api.app import create_app
-from hkserve.engine.engine import Engine
-from hkserve.engine.options import EngineOptions
-from hkserve.engine.runner import InferenceRunner
-from hkserve.model.build import build_model
+from http_helpers import smollm2_server, sse_events, validate
 
 NAME = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def live(smollm2):
-    _, info, tokenizer, params = smollm2
-    engine = Engine(
-        build_model(info.config), params, EngineOptions(slots=8, max_len=512, prefill_buckets=(16, 64), n_top=5)
-    )
-    runner = InferenceRunner(engine, max_queue=128).start(warmup=False)
-    server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield server, client, tokenizer, runner
-    server.stop()
-    runner.stop()
+    with smollm2_server(smollm2, NAME, slots=8, max_queue=128) as (server, runner):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield server, client, smollm2[2], runner
 
 
 def test_golden_chat_case_at_temperature_zero_equals_reference(live, golden):

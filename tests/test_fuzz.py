@@ -1,12 +1,15 @@
 """Fuzzing the API with request bodies generated from OpenAI's own request schemas
-(../shared/fixtures/openai/openapi-subset.json: CreateCompletionRequest, CreateChatCompletionRequest)
-plus hostile mutations (issue 15): no 5xx, every error an OpenAI error body, and the server still
-answers a golden request afterwards. Fast against a fake runner; a short run against SmolLM2."""
+(../shared/fixtures/openai/openapi-subset.json: CreateCompletionRequest, CreateChatCompletionRequest),
+and for /v1/responses and /v1/messages from the strategies below (their fields as the APIs document
+them, with wrong kinds mixed in), plus hostile mutations (issue 15): no 5xx, every error an OpenAI
+error body (Anthropic's on /v1/messages, checked by the anthropic SDK's own type), and the server
+still answers a golden request afterwards. Fast against a fake runner; a short run against SmolLM2."""
 
 from __future__ import annotations
 
 import json
 
+import anthropic.types as A
 import httpx
 import pytest
 from helpers import FIXTURES
@@ -14,6 +17,7 @@ from http_helpers import FakeRunner, LiveServer, validate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
+from sdk_types import strict, strict_message_event, strict_response_event
 
 from hkserve.api.app import create_app
 from hkserve.engine.engine import Engine
@@ -96,7 +100,12 @@ KNOWN_MUTATIONS = [  # issue 15's findings, each on an otherwise valid body
 MINIMAL = {
     "/v1/completions": {"prompt": "Hi", "max_tokens": 4},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
 }
+TOKEN_LIMIT = {"/v1/responses": "max_output_tokens"}  # each route's max_tokens field (else max_tokens)
+TEXT = st.text(max_size=12)
+FUNCTION_SCHEMA = st.sampled_from([{"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}])
 BROKEN_BODIES = [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b'{"prompt": "x"}' + b" " * 10, b"{" * 100_000]
 
 
@@ -142,7 +151,90 @@ def request_bodies() -> dict[str, st.SearchStrategy]:
             messages = st.lists(st.one_of([_fields(kind, MESSAGE_FIELDS) for kind in kinds]), min_size=1, max_size=3)
             bodies = st.builds(lambda body, m: {**body, "messages": m}, bodies, messages)
         out[path] = bodies
+    out["/v1/responses"] = responses_bodies()
+    out["/v1/messages"] = messages_bodies()
     return out
+
+
+def responses_bodies() -> st.SearchStrategy:
+    """POST /v1/responses bodies: input items and the fields the Responses API documents."""
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": TEXT})
+    item = st.one_of(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"])},
+            optional={"type": st.just("message"), "content": st.one_of(TEXT, st.lists(part, max_size=2))},
+        ),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": TEXT, "arguments": TEXT}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT}),
+    )
+    tool = st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "web_search"]), "name": st.sampled_from(["f", "g", "", "a b"])},
+        optional={"parameters": FUNCTION_SCHEMA, "description": TEXT, "strict": st.booleans()},
+    )
+    fmt = st.sampled_from(
+        [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"type": "object"}}]
+        + [{"type": "json_schema"}, {"type": "xml"}]
+    )
+    optional = {
+        "model": st.just("m"),  # valid values: a field's error stops a request before the rest is read
+        "instructions": TEXT,
+        "max_output_tokens": st.integers(1, 40),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": st.one_of(
+            st.sampled_from(["none", "auto", "required", "bogus"]),
+            st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "h"])}),
+        ),
+        "parallel_tool_calls": st.booleans(),
+        "text": st.fixed_dictionaries({"format": fmt}),
+        "store": st.booleans(),
+        "metadata": st.dictionaries(TEXT, TEXT, max_size=2),
+        "stream": st.booleans(),
+    }
+    return st.fixed_dictionaries({"input": st.one_of(TEXT, st.lists(item, max_size=3))}, optional=optional)
+
+
+def messages_bodies() -> st.SearchStrategy:
+    """POST /v1/messages bodies: text, tool_use and tool_result blocks and the fields Anthropic documents."""
+    block = st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": TEXT}),
+        st.fixed_dictionaries(
+            {"type": st.just("tool_use"), "id": TEXT, "name": TEXT, "input": st.one_of(st.just({}), TEXT)}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("tool_result"), "tool_use_id": TEXT},
+            optional={
+                "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}))),
+                "is_error": st.booleans(),
+            },
+        ),
+    )
+    message = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system"]),
+            "content": st.one_of(TEXT, st.lists(block, max_size=3)),
+        }
+    )
+    tool = st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g", ""])}, optional={"input_schema": FUNCTION_SCHEMA, "description": TEXT}
+    )
+    optional = {
+        "model": st.just("m"),
+        "system": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)),
+        "stop_sequences": st.lists(TEXT, max_size=3),
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(1, 100),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none", "bogus"])}),
+            st.fixed_dictionaries({"type": st.just("tool"), "name": st.sampled_from(["f", "h"])}),
+        ),
+        "stream": st.booleans(),
+    }
+    required = {"messages": st.lists(message, max_size=3), "max_tokens": st.integers(1, 40)}
+    return st.fixed_dictionaries(required, optional=optional)
 
 
 def _splice(body: dict, field: str, raw: str) -> bytes:
@@ -160,10 +252,10 @@ def requests(draw, bodies: dict[str, st.SearchStrategy], tame: bool = False):
     if draw(st.booleans()):
         body.pop("model", None)
     if tame:  # the real engine: a few short choices per request
-        for field, most in (("n", 2), ("max_tokens", 8), ("max_completion_tokens", 8)):
+        for field, most in (("n", 2), ("max_tokens", 8), ("max_completion_tokens", 8), ("max_output_tokens", 8)):
             if isinstance(body.get(field), int) and body[field] > most:
                 body[field] = most
-        body.setdefault("max_tokens", 8)
+        body.setdefault(TOKEN_LIMIT.get(path, "max_tokens"), 8)
     mutation = draw(st.sampled_from(["none", "known", "known", "field", "broken"]))
     if mutation == "known":
         field, raw = draw(st.sampled_from(KNOWN_MUTATIONS))
@@ -175,15 +267,25 @@ def requests(draw, bodies: dict[str, st.SearchStrategy], tame: bool = False):
     return path, json.dumps(body).encode()
 
 
-def check(response: httpx.Response) -> None:
-    """No 5xx; every error an OpenAI error body, in a stream too."""
+def check(response: httpx.Response, path: str) -> None:
+    """No 5xx; every error an OpenAI error body (Anthropic's on /v1/messages), in a stream too; every
+    event of the typed streams (/v1/responses, /v1/messages) one of the SDK's."""
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
-        validate(response.json(), "ErrorResponse")
+        if path == "/v1/messages":
+            strict(A.ErrorResponse, response.json())
+        else:
+            validate(response.json(), "ErrorResponse")
     elif response.headers["content-type"].startswith("text/event-stream"):
+        typed = {"/v1/responses": strict_response_event, "/v1/messages": strict_message_event}.get(path)
         for line in response.text.splitlines():
-            if line.startswith("data: {") and '"error"' in line:
-                event = json.loads(line[len("data: ") :])
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if typed is not None:
+                typed(event)
+                assert event["type"] != "error", event
+            elif "error" in event:
                 validate(event, "ErrorResponse")
                 assert event["error"]["type"] != "server_error", event
 
@@ -200,7 +302,7 @@ def fuzz(server: LiveServer, bodies, examples: int, tame: bool = False) -> None:
         @given(requests(bodies, tame))
         def one(request):
             path, raw = request
-            check(client.post(path, content=raw, headers={"content-type": "application/json"}))
+            check(client.post(path, content=raw, headers={"content-type": "application/json"}), path)
 
         one()
 
@@ -218,6 +320,19 @@ def test_fuzzed_requests_against_a_fake_runner(smollm2, bodies):
         fuzz(server, bodies, examples=300)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100}, timeout=30)
         assert r.json()["choices"][0]["text"] == SCRIPT_TEXT
+    finally:
+        server.stop()
+
+
+def test_fuzzed_responses_and_messages_requests_against_a_fake_runner(smollm2, bodies):
+    """The two newest routes alone (in the mixed run above they get a quarter of the examples)."""
+    tokenizer = smollm2[2]
+    runner = FakeRunner(tokenizer.encode(SCRIPT_TEXT) + [tokenizer.eos_id])
+    server = LiveServer(create_app(runner, tokenizer, "m", 256))
+    try:
+        fuzz(server, {p: bodies[p] for p in ("/v1/responses", "/v1/messages")}, examples=200)
+        r = httpx.post(server.url + "/v1/messages", json={**MINIMAL["/v1/messages"], "max_tokens": 100}, timeout=30)
+        assert r.json()["content"][0]["text"] == SCRIPT_TEXT
     finally:
         server.stop()
 

@@ -22,7 +22,8 @@ from hkserve.api.errors import install_error_handlers
 from hkserve.api.guard import GuardMiddleware
 from hkserve.api.limits import ServerLimits
 from hkserve.api.metrics import Metrics
-from hkserve.api.routes import chat, completions, health, models
+from hkserve.api.response_store import ResponseStore
+from hkserve.api.routes import chat, completions, health, messages, models, responses
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.protocols import ServingRunner
@@ -46,6 +47,7 @@ def create_app(
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
     app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
+    app.state.response_store = ResponseStore()  # /v1/responses' previous_response_id
     metrics = Metrics(runner.stats)
     spec_metrics.register(metrics.registry, runner)
     runner.observe_masks(lambda seconds, _rows: metrics.mask_time.observe(seconds))
@@ -69,7 +71,7 @@ def create_app(
     app.add_middleware(GuardMiddleware, check=access_check(app.state, api_key), limits=limits)
     if cors_origins:  # added last = outermost, so errors from the guard carry CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
-    for routes in (health, models, completions, chat):
+    for routes in (health, models, completions, chat, responses, messages):
         app.include_router(routes.router)
     if web_page:  # the chat page at / (--no-web: / is a 404)
         app.include_router(web.router)

@@ -14,6 +14,7 @@ import uuid
 import anyio
 from fastapi.responses import JSONResponse
 
+from hkserve.api.anthropic_errors import error_body
 from hkserve.api.limits import ServerLimits
 from hkserve.api.protocol import APIError
 
@@ -99,4 +100,5 @@ def _body_error(status: int, message: str) -> APIError:
 
 
 async def _respond(error: APIError, scope, receive, send) -> None:
-    await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+    body = error_body(scope["path"], error)
+    await JSONResponse(body, status_code=error.status, headers=error.headers)(scope, receive, send)

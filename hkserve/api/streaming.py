@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,12 +18,35 @@ from hkserve.api.protocol import APIError
 DISCONNECT_POLL_S = 0.05  # how often a whole-body response checks whether its client is still there
 
 
-async def respond(request: Request, gen: Generation, stream: bool, render_chunk: Callable, render_final: Callable):
+class Framing(NamedTuple):
+    """How a stream writes its events: OpenAI's chat and completions send `data:` lines and "[DONE]"
+    last; the Responses and Anthropic Messages APIs send typed events (`event: <type>`, no "[DONE]"),
+    an error as their own event (`error`: the APIError as a body whose type is "error")."""
+
+    typed: bool = False
+    error: Callable[[APIError], dict] = APIError.body
+
+    def event(self, chunk: dict) -> str:
+        head = f"event: {chunk['type']}\n" if self.typed else ""
+        return f"{head}data: {json.dumps(chunk)}\n\n"
+
+
+OPENAI_SSE = Framing()
+
+
+async def respond(
+    request: Request,
+    gen: Generation,
+    stream: bool,
+    render_chunk: Callable,
+    render_final: Callable,
+    framing: Framing = OPENAI_SSE,
+):
     """The response to a submitted generation: an SSE stream of `render_chunk`'s chunks, or
     `render_final`'s body (499 when the client left first)."""
     if stream:
         return StreamingResponse(
-            sse(gen, render_chunk),
+            sse(gen, render_chunk, framing),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -50,19 +74,20 @@ async def _watch_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def sse(gen: Generation, render_chunk: Callable) -> AsyncIterator[str]:
+async def sse(gen: Generation, render_chunk: Callable, framing: Framing = OPENAI_SSE) -> AsyncIterator[str]:
     """`render_chunk(gen, None)` (the head), one per update, then `render_chunk(gen, "usage")`, as SSE
-    events; an error mid-stream as its OpenAI body; always "[DONE]" last."""
+    events; an error mid-stream as `framing.error`'s body; "[DONE]" last unless the events are typed."""
     try:
         for head in render_chunk(gen, None):
-            yield f"data: {json.dumps(head)}\n\n"
+            yield framing.event(head)
         async for update in gen.updates():
             for chunk in render_chunk(gen, update):
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield framing.event(chunk)
         for tail in render_chunk(gen, "usage"):
-            yield f"data: {json.dumps(tail)}\n\n"
+            yield framing.event(tail)
     except APIError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
+        yield framing.event(framing.error(e))
     finally:
         gen.cancel()  # a disconnect ends this generator early: free the slots
-    yield "data: [DONE]\n\n"
+    if not framing.typed:
+        yield "data: [DONE]\n\n"

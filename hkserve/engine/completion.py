@@ -68,6 +68,11 @@ class Completion:
         """All the text released so far."""
         return self._text.text
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the completion, if one did (Anthropic's `stop_sequence`)."""
+        return self._text.stopped_by
+
     def usage(self) -> dict[str, int]:
         return usage(len(self.request.prompt_ids), self.tokens)
 

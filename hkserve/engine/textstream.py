@@ -24,11 +24,12 @@ class TextStream:
         self.held = ""  # decoded text not released yet
         self.text = ""  # everything released
         self.stopped = False
+        self.stopped_by: str | None = None  # the stop string that matched, once one did
 
     def _release(self, final: bool) -> Piece:
         hits = [(self.held.find(s), s) for s in self.stop if s in self.held]
         if hits:  # the earliest match wins
-            index = min(i for i, _ in hits)
+            index, self.stopped_by = min(hits)
             out, self.held, self.stopped = self.held[:index], "", True
             self.text += out
             return Piece(out, True)
