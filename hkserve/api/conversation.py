@@ -16,10 +16,13 @@ from hkserve.engine.constrained import GrammarSpec
 from hkserve.model.sampling import SamplingParams
 
 
-def chat_tools(tools: list[dict] | None, choice: Any, parallel: bool | None, param: str = "tools") -> Tools | None:
-    """OpenAI chat-shaped tools as tools.py reads them (a 400 naming `param` when they cannot be)."""
+def chat_tools(
+    tools: list[dict] | None, choice: Any, parallel: bool | None, fmt: str, param: str = "tools"
+) -> Tools | None:
+    """OpenAI chat-shaped tools as tools.py reads them, written in the model's call format `fmt`
+    (--tool-call-parser: ServerContext.tool_format); a 400 naming `param` when they cannot be."""
     try:
-        return parse_tools(tools, choice, parallel)
+        return parse_tools(tools, choice, parallel, fmt)
     except FieldError as e:
         raise APIError(400, str(e), param=param if e.param == "tools" else e.param) from None
 

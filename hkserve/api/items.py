@@ -2,7 +2,7 @@
 
 The Responses and Anthropic Messages formats turn the same steps into their own stream events, and
 build their whole bodies from the same steps over the whole text, so a streamed reply reassembles to
-exactly the whole one. Tool calls are read by tools.py's ToolCallParser (the format the grammar and
+exactly the whole one. Tool calls are read by tool_parsers.make_parser's parser (the format the grammar and
 the prompt use)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hkserve.api.tools import ToolCallParser, Tools
+from hkserve.api.tool_parsers import make_parser
+from hkserve.api.tools import Tools
 
 
 @dataclass
@@ -38,7 +39,8 @@ class ItemBuilder:
 
     def __init__(self, tools: Tools | None):
         active = tools is not None and tools.active
-        self.parser = ToolCallParser(text_content=tools.choice == "auto") if active else None
+        # the model's own call format (--tool-call-parser), as the chat route reads it
+        self.parser = make_parser(tools.format, tools.functions, tools.choice == "auto") if active else None
         self.items: list[Item] = []
         self._open: Item | None = None
         self._pending = ""  # whitespace held while tools are on

@@ -19,7 +19,7 @@ router = APIRouter()
 async def messages(request: Request, ctx: Context):
     body, sampling = await prepare.parse_generation(ctx, request, MessagesRequest)
     choice, parallel = body.chat_tool_choice()
-    tools = conversation.chat_tools(body.chat_tools(), choice, parallel)
+    tools = conversation.chat_tools(body.chat_tools(), choice, parallel, ctx.tool_format)
     grammar = conversation.output_grammar(None, tools, "tools")
     messages_, stop = body.chat_messages(), body.stop_sequences or []
     gen = await conversation.start(ctx, "message", messages_, tools, grammar, body.max_tokens, sampling, stop)

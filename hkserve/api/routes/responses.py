@@ -21,7 +21,9 @@ async def responses(request: Request, ctx: Context):
     history = store.get(body.previous_response_id) if body.previous_response_id else []
     conversation_ = history + input_messages(body.input)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation_
-    tools = conversation.chat_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls)
+    tools = conversation.chat_tools(
+        body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls, ctx.tool_format
+    )
     grammar = conversation.output_grammar(body.response_format(), tools, "text")
     gen = await conversation.start(ctx, "response", messages, tools, grammar, body.max_output_tokens, sampling, [])
     fmt = ResponsesFormat(ctx.model_name, body, tools, store, conversation_)
