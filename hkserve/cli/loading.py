@@ -17,9 +17,9 @@ from hkserve.engine.options import EngineOptions
 from hkserve.engine.prefix_cache import DEFAULT_MODE, MODES
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
-from hkserve.kernels.dispatch import resolve
+from hkserve.kernels.dispatch import add_kernels_argument, resolve
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import default_weights
+from hkserve.model.config import WEIGHTS, default_weights
 from hkserve.model.sharding import param_shardings, parse_mesh
 
 
@@ -56,6 +56,18 @@ def serving_weights(store: ModelStore, name: str, requested: str | None) -> str 
     if requested is None and store.info(name).config.memory == "vq":
         return None
     return default_weights(jax.default_backend(), requested)
+
+
+def add_variant_arguments(p) -> None:
+    """--weights, --kernels and --layers: which weights a command serves and how it runs them."""
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=list(WEIGHTS),
+        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
+    )
+    add_kernels_argument(p)
+    add_layers_argument(p)
 
 
 def add_layers_argument(p) -> None:

@@ -17,13 +17,12 @@ from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
 from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.cli.generate import run_generate
-from hkserve.cli.loading import add_kv_arguments, add_layers_argument, add_prefix_cache_argument
+from hkserve.cli.loading import add_kv_arguments, add_prefix_cache_argument, add_variant_arguments
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import add_limit_arguments, add_parser_arguments, add_web_argument, run_server
 from hkserve.cli.speculative import add_arguments as add_speculative_arguments
 from hkserve.cli.xla_flags import apply_gpu_defaults
-from hkserve.kernels.dispatch import add_kernels_argument
 from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
 
@@ -110,14 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="short prompts prefilled together in one call (rows of the smallest bucket; 0 or 1: one per call)",
     )
     p.add_argument("--max-logprobs", type=int, default=20, help="most top_logprobs a request may ask for")
-    p.add_argument(
-        "--weights",
-        default=None,
-        choices=list(WEIGHTS),
-        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
-    )
-    add_kernels_argument(p)
-    add_layers_argument(p)
+    add_variant_arguments(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env HKSERVE_API_KEY)")
     p.add_argument("--cors-origin", action="append", help="allowed CORS origin (repeatable)")
     add_web_argument(p)
@@ -168,14 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="DATAxMODEL device mesh, e.g. 1x8 or 2x4 (default: all on model "
         "if that divides the heads, else all on data)",
     )
-    p.add_argument(
-        "--weights",
-        default=None,
-        choices=list(WEIGHTS),
-        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
-    )
-    add_kernels_argument(p)
-    add_layers_argument(p)
+    add_variant_arguments(p)
     add_speculative_arguments(p)
     p.set_defaults(func=run_generate)
 

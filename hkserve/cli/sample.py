@@ -32,16 +32,14 @@ from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
 from hkserve.cli.loading import (
     LoadOptions,
     add_kv_arguments,
-    add_layers_argument,
     add_prefix_cache_argument,
+    add_variant_arguments,
     load_runner,
 )
 from hkserve.engine.completion import Completion, GenerationFailed
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.engine.requests import Overloaded, Request
 from hkserve.engine.state import check_context
-from hkserve.kernels.dispatch import add_kernels_argument
-from hkserve.model.config import WEIGHTS
 from hkserve.model.sampling import SamplingParams
 
 
@@ -51,14 +49,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--mesh", default=None)
-    p.add_argument(
-        "--weights",
-        default=None,
-        choices=list(WEIGHTS),
-        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
-    )
-    add_kernels_argument(p)
-    add_layers_argument(p)
+    add_variant_arguments(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
