@@ -91,3 +91,19 @@ def load_grok_npz(path) -> tuple[ModelConfig, dict]:
     data = np.load(path, allow_pickle=False)
     config = config_from_grok(json.loads(str(data["meta/config_json"])))
     return config, load_grok(data, config)
+
+
+def golden_agreement(runner, golden: dict, tokenizer, label: str, max_tokens: int = 32) -> tuple[int, int]:
+    """Greedy tokens of each golden SmolLM2 case that equal float32's before the first difference (printed
+    per case) → (matched, total): how a quantized path's agreement is measured."""
+    from hkserve.engine.requests import Request
+    from hkserve.model.sampling import SamplingParams
+
+    matched, total = 0, 0
+    for case in golden["cases"]:
+        request = Request(case["prompt_ids"], max_tokens, SamplingParams(), tokenizer.stop_ids)
+        got = [t.id for t in runner.generate(request)]
+        same = next((i for i, (a, b) in enumerate(zip(got, case["greedy_ids"])) if a != b), len(got))
+        print(f"{label} {case['name']}: first {same} of {len(case['greedy_ids'])} greedy tokens equal float32's")
+        matched, total = matched + same, total + len(case["greedy_ids"])
+    return matched, total

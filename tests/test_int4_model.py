@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import golden_agreement, tiny_config
 from test_weights import TEXT
 
 from hkserve.checkpoint.quantize import convert_params
@@ -21,7 +21,6 @@ from hkserve.kernels import dispatch
 from hkserve.model.build import build_model
 from hkserve.model.int4 import Int4Weight, dequantize
 from hkserve.model.memory import init_memory
-from hkserve.model.sampling import SamplingParams
 
 
 def dequantized(params: dict, config) -> dict:
@@ -85,14 +84,7 @@ def test_smollm2_int4_perplexity_within_1_percent_of_float32_and_greedy_agreemen
         warmup=False
     )
     try:
-        matched, total = 0, 0
-        for case in golden["cases"]:
-            got = [t.id for t in runner.generate(Request(case["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))]
-            same = next((i for i, (a, b) in enumerate(zip(got, case["greedy_ids"])) if a != b), len(got))
-            print(
-                f"int4 hk_w4a8 {case['name']}: first {same} of {len(case['greedy_ids'])} greedy tokens equal float32's"
-            )
-            matched, total = matched + same, total + len(case["greedy_ids"])
+        matched, total = golden_agreement(runner, golden, tokenizer, "int4 hk_w4a8")
     finally:
         runner.stop()
     assert matched >= total // 4  # as int8's check (test_weights.py): most cases agree for a while

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import golden_agreement, tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
@@ -258,12 +258,7 @@ def test_smollm2_int8_kernels_perplexity_within_1_percent_of_float32_and_greedy_
         warmup=False
     )
     try:
-        matched, total = 0, 0
-        for c in golden["cases"]:
-            got = [t.id for t in runner.generate(Request(c["prompt_ids"], 32, SamplingParams(), tokenizer.stop_ids))]
-            same = next((i for i, (a, b) in enumerate(zip(got, c["greedy_ids"])) if a != b), min(len(got), 32))
-            print(f"int8 kernels {c['name']}: first {same} of {len(c['greedy_ids'])} greedy tokens equal float32's")
-            matched, total = matched + same, total + len(c["greedy_ids"])
+        matched, total = golden_agreement(runner, golden, tokenizer, "int8 kernels")
     finally:
         runner.stop()
     print(f"int8 kernels: {matched} of {total} greedy tokens before the first difference")
