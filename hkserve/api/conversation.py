@@ -48,12 +48,14 @@ async def start(
     max_tokens: int | None,
     sampling: SamplingParams,
     stop: list[str],
+    keep: frozenset[int] = frozenset(),
 ) -> Generation:
-    """The conversation rendered by the chat template, submitted as one choice."""
+    """The conversation rendered by the chat template, submitted as one choice (`keep`: the special ids
+    its text shows, reply.Markers)."""
     rendered, tool_defs = render_messages(messages, tools, ctx.tokenizer.template_takes_tools)
     prompt = await ctx.off_loop(prepare.encode_chat, ctx, rendered, tool_defs)
     limits = prepare.token_limits(ctx, [prompt], max_tokens, None)
     compiled = await ctx.off_loop(prepare.compile_grammar, ctx, *grammar)
     gen = Generation(ctx.runner, ctx.tokenizer, ctx.metrics, kind, ctx.limits.max_stream_backlog)
-    gen.submit([prompt], 1, limits, sampling, stop, 0, False, None, compiled)
+    gen.submit([prompt], 1, limits, sampling, stop, 0, False, None, compiled, keep)
     return gen

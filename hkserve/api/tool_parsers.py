@@ -26,6 +26,12 @@ from hkserve.api.tools import CallDelta, CallParser, ToolCallParser, held
 FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 CHOICES = ("auto", *FORMATS)
 PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+MARKERS = {  # per format, the marker texts its parser reads (a tokenizer may have them as special tokens)
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": (PYTHON_TAG,),
+    "mistral": (TOOL_CALLS, ARGS),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+}
 QWEN_CALL = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>\n?(.*?)</function>\s*</tool_call>", re.S)
 QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 Parsed = list[tuple[str, dict]]  # (name, arguments) per call

@@ -28,8 +28,9 @@ async def chat(request: Request, ctx: Context):
     prompt = await ctx.off_loop(prepare.encode_chat, ctx, messages, tool_defs, body.chat_template_kwargs)
     max_tokens = prepare.token_limits(ctx, [prompt], body.token_limit, None)
     grammar = await ctx.off_loop(prepare.compile_grammar, ctx, *prepare.structure(body, tools, ctx.reasoning_parser))
+    fmt = formats.ChatFormat(ctx.tokenizer, ctx.model_name, body, tools, ctx.reasoning_parser)
     gen = Generation(ctx.runner, ctx.tokenizer, ctx.metrics, "chat", ctx.limits.max_stream_backlog)
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    gen.submit([prompt], body.n, max_tokens, sampling, body.stop, top, body.ignore_eos, None, grammar)
-    fmt = formats.ChatFormat(ctx.tokenizer, ctx.model_name, body, tools, ctx.reasoning_parser)
+    stop, ignore_eos, keep = body.stop, body.ignore_eos, fmt.markers.ids
+    gen.submit([prompt], body.n, max_tokens, sampling, stop, top, ignore_eos, None, grammar, keep)
     return await respond(request, gen, body.stream, fmt.chunks, fmt.final)
