@@ -19,9 +19,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from hkserve.api.app import create_app
 from hkserve.api.reply import Markers
-from hkserve.api.tool_parsers import MARKERS
+from hkserve.api.tool_parsers import MARKERS, special_tokens
 from hkserve.api.tools import parse_tools
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.engine.constrained import GrammarCompiler
 from hkserve.train.vocab import byte_tokenizer
 
 EOS, TOOL_CALLS, ARGS, PYTHON_TAG = "<|eos|>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
@@ -87,10 +88,35 @@ def test_the_markers_are_special_tokens_a_plain_decode_drops():
     text = spm.encode("a", add_bos=False) + [spm.eos_id] + spm.encode("b", add_bos=False)
     assert (spm.decode(text), spm.decode(text, keep=frozenset({spm.eos_id}))) == ("ab", "a</s>b")
     assert (spm.special_id("</s>"), spm.special_id("a"), spm.special_id("<0x61>")) == (spm.eos_id, None, None)
-    mistral = Markers.of(TOKENIZER, parse_tools([WEATHER], "auto", True, "mistral"))
-    assert mistral == Markers(frozenset(ids([TOOL_CALLS, ARGS])), MARKERS["mistral"])
-    assert Markers.of(TOKENIZER, parse_tools([WEATHER], "none", True, "mistral")) == Markers()  # no tools: none kept
-    assert Markers.of(TOKENIZER, parse_tools([WEATHER], "auto", True, "hermes")) == Markers()  # not special here
+    special = special_tokens(TOKENIZER, "mistral")
+    assert special == {TOOL_CALLS: ids([TOOL_CALLS])[0], ARGS: ids([ARGS])[0]}
+    assert special_tokens(TOKENIZER, "hermes") == {}  # <tool_call> is no token here
+    mistral = Markers.of(TOKENIZER, parse_tools([WEATHER], "auto", True, "mistral", special))
+    assert mistral == Markers(frozenset(special.values()), MARKERS["mistral"])
+    assert Markers.of(TOKENIZER, parse_tools([WEATHER], "none", True, "mistral", special)) == Markers()  # no tools
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [TOOL_CALLS, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'],
+        [PYTHON_TAG, '{"name": "get_weather", "parameters": {"city": "Paris"}}'],
+    ],
+    ids=["mistral", "llama3_json"],
+)
+def test_the_tool_grammar_lets_the_model_write_a_special_marker_as_its_token(pieces, choice):
+    """A special token is never spelled by plain tokens, so a grammar that wrote the marker as text
+    would ban the token the model writes it with."""
+    fmt = "mistral" if pieces[0] == TOOL_CALLS else "llama3_json"
+    tools = parse_tools([WEATHER], choice, True, fmt, special_tokens(TOKENIZER, fmt))
+    matcher = GrammarCompiler(TOKENIZER, TOKENIZER.vocab_size).compile(tools.grammar()).matcher()
+    for k, token in enumerate(ids(pieces) + [TOKENIZER.eos_id]):
+        assert matcher.consume_token(token), (k, matcher.get_error())
+    assert matcher.is_stopped()
+    if choice == "auto" and fmt == "mistral":  # text first, then the marker's token
+        matcher = GrammarCompiler(TOKENIZER, TOKENIZER.vocab_size).compile(tools.grammar()).matcher()
+        assert all(matcher.consume_token(t) for t in ids(["Sure.", *pieces]) + [TOKENIZER.eos_id])
 
 
 def chat(server: LiveServer, stream: bool) -> tuple[str | None, list[tuple[str, dict]], str]:

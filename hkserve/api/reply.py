@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hkserve.api.reasoning import END, START, ReasoningParser
-from hkserve.api.tool_parsers import MARKERS, make_parser
+from hkserve.api.tool_parsers import make_parser
 from hkserve.api.tools import CallDelta, Tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 
@@ -24,10 +24,10 @@ class Markers(NamedTuple):
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, tools: Tools | None, reasoning: str | None = None) -> Markers:
-        tool_markers = MARKERS[tools.format] if tools is not None and tools.active else ()
-        names = tool_markers + ((START, END) if reasoning else ())
-        found = {text: tokenizer.special_id(text) for text in names}
-        found = {text: i for text, i in found.items() if i is not None}
+        found = dict(tools.special) if tools is not None and tools.active else {}
+        for text in (START, END) if reasoning else ():
+            if tokenizer.special_id(text) is not None:
+                found[text] = tokenizer.special_id(text)
         return cls(frozenset(found.values()), tuple(found))
 
     def hide(self, text: str) -> str:

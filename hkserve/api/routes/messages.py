@@ -20,7 +20,7 @@ router = APIRouter()
 async def messages(request: Request, ctx: Context):
     body, sampling = await prepare.parse_generation(ctx, request, MessagesRequest)
     choice, parallel = body.chat_tool_choice()
-    tools = conversation.chat_tools(body.chat_tools(), choice, parallel, ctx.tool_format)
+    tools = conversation.chat_tools(ctx, body.chat_tools(), choice, parallel)
     grammar = conversation.output_grammar(None, tools, "tools")
     messages_, stop = body.chat_messages(), body.stop_sequences or []
     markers = Markers.of(ctx.tokenizer, tools)

@@ -22,9 +22,7 @@ async def responses(request: Request, ctx: Context):
     history = store.get(body.previous_response_id) if body.previous_response_id else []
     conversation_ = history + input_messages(body.input)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation_
-    tools = conversation.chat_tools(
-        body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls, ctx.tool_format
-    )
+    tools = conversation.chat_tools(ctx, body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls)
     grammar = conversation.output_grammar(body.response_format(), tools, "text")
     markers = Markers.of(ctx.tokenizer, tools)
     limit = body.max_output_tokens
