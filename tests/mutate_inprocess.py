@@ -54,7 +54,7 @@ def main(module: str, test_file: str, out_path: str) -> None:
         for item in items:
             try:
                 item.obj(**getattr(getattr(item, "callspec", None), "params", {}))
-            except Exception as e:
+            except (Exception, pytest.fail.Exception) as e:  # pytest.raises fails with a BaseException
                 return "killed", f"{item.nodeid}: {type(e).__name__}: {str(e)[:200]}"
         return "survived", None
 
