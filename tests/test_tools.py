@@ -187,6 +187,8 @@ def test_a_template_without_tools_gets_the_builtin_prompt_calls_as_text_and_resu
     assert render_messages([{"role": "user", "content": "x", "name": "n"}], None, False)[0] == [
         {"role": "user", "content": "x"}
     ]
+    odd = {"role": "user", "content": "x", "tool_calls": HISTORY[2]["tool_calls"]}  # only an assistant calls
+    assert render_messages([odd], None, False)[0] == [{"role": "user", "content": "x"}]
 
 
 # -- the grammar ---------------------------------------------------------------------------------------
@@ -310,6 +312,8 @@ def qwen(params: str) -> str:
         ("<parameter=unit>\nC\n</parameter>\n<parameter=days>\nten\n</parameter>\n", False),
         ("<parameter=unit>\nC\n</parameter>\n<parameter=text>\nline\n</parameter> no\n</parameter>\n", False),
         ("<parameter=unit>\nC\n</parameter>\n<parameter=text>\nline\nline </two>\n</parameter>\n", True),
+        ("<parameter=unit>\nC\n</parameter>\n<parameter=text>\na\n</parameters\n</parameter>\n", True),
+        ('<parameter=unit>\nC\n</parameter>\n<parameter=days>\n"12"\n</parameter>\n', False),  # JSON of the type
         ("<parameter=days>\n1\n</parameter>\n<parameter=unit>\nC\n</parameter>\n", False),  # in schema order
     ],
 )
@@ -326,12 +330,20 @@ def test_qwen3_coder_refuses_string_constraints_it_cannot_enforce_and_takes_no_p
         assert (
             e.value.param == "tools" and str(e.value) == f"qwen3_coder string parameters cannot be constrained by {key}"
         )
+    both = {
+        "function": {
+            "name": "f",
+            "parameters": {"properties": {"s": {"type": "string", "pattern": "a", "minLength": 1}}},
+        }
+    }
+    with pytest.raises(FieldError, match="^qwen3_coder string parameters cannot be constrained by minLength, pattern$"):
+        parse_tools([both], "required", True, "qwen3_coder").grammar()
     bare = parse_tools([{"function": {"name": "f"}}], "required", True, "qwen3_coder")
     assert accepts(bare, qwen("")) and not accepts(bare, qwen("<parameter=a>\n1\n</parameter>\n"))
     loose = {"function": {"name": "f", "parameters": {"properties": {"n": True}}}}  # any JSON value
-    assert accepts(
-        parse_tools([loose], "required", True, "qwen3_coder"), qwen('<parameter=n>\n[1, "a"]\n</parameter>\n')
-    )
+    loose_tools = parse_tools([loose], "required", True, "qwen3_coder")
+    assert accepts(loose_tools, qwen('<parameter=n>\n[1, "a"]\n</parameter>\n'))
+    assert not accepts(loose_tools, qwen('<parameter=n>\n[1,"a"]\n</parameter>\n'))  # the JSON options apply
 
 
 def test_arguments_follow_each_functions_schema_and_no_parameters_means_an_object():
@@ -401,6 +413,8 @@ def test_an_unfinished_or_malformed_call_stays_content():
     assert parse(['<tool_call>{"name": "f", "arguments": {}}'])[0] == '<tool_call>{"name": "f", "arguments": {}}'
     content, _, parser = parse(['<tool_call>\n{"name": "f", "arguments": {"a": 1'])
     assert content == "" and parser.calls[0]["function"] == {"name": "f", "arguments": '{"a": 1'}
+    _, deltas, parser = parse(['<tool_call>\n{"name": "f", "arguments": {"a": 1}\n'])  # ends inside the terminator
+    assert parser.calls[0]["function"]["arguments"] == '{"a": 1}\n' == "".join(d.arguments for d in deltas)
 
 
 def test_without_text_content_only_the_calls_come_back():
