@@ -9,10 +9,13 @@ import json
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from hkserve.checkpoint.tokenizer import CONTROL, NORMAL, UNKNOWN, Tokenizer, _sentencepiece_from_vocab
 from hkserve.engine.constrained import (
     Advance,
+    Grammar,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
@@ -24,6 +27,7 @@ from hkserve.engine.constrained import (
     json_vocab,
     ll_tokenizer,
 )
+from hkserve.engine.json_budget import JsonVocab
 from hkserve.train.vocab import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()  # id = byte + 3; 0 <unk>, 1 <s>, 2 </s> (EOS)
@@ -89,6 +93,7 @@ def test_each_kind_compiles_to_a_grammar_of_what_it_says(spec, good, bad):
         ),
         (GrammarSpec("regex", "(ab"), "invalid regex: "),
         (GrammarSpec("lark", "start: missing_rule"), "invalid lark: "),
+        (GrammarSpec("lark", "start: <[400]>"), "invalid lark: "),  # past the vocabulary: only the tokenizer knows
     ],
 )
 def test_a_grammar_llguidance_refuses_is_a_grammar_error_naming_why(spec, message):
@@ -113,7 +118,8 @@ def test_the_compiler_builds_its_llguidance_tokenizer_once_and_shares_the_json_v
     compiler = GrammarCompiler(TOKENIZER, VOCAB)
     assert compiler.ll is compiler.ll and compiler.ll.vocab_size == VOCAB
     first, second = (compiler.compile(GrammarSpec("json_object")) for _ in range(2))
-    assert first.json_vocab is second.json_vocab and first.tokenizer is compiler.ll
+    assert isinstance(first.json_vocab, JsonVocab) and first.json_vocab is second.json_vocab
+    assert first.tokenizer is compiler.ll
 
 
 def test_the_llguidance_view_of_a_sentencepiece_tokenizer():
@@ -122,6 +128,7 @@ def test_the_llguidance_view_of_a_sentencepiece_tokenizer():
     assert view.tokens[1:3] == [b"<s>", b"</s>"] and view.tokens[ord("a") + 3] == b"a"
     assert len(view.tokens) == VOCAB and view.tokens[259:] == [b""] * 41  # padding ids spell nothing
     assert view("héllo") == ids("héllo") and view(b"\xff") == [0xFF + 3]
+    assert view("<s>") == ids("<s>")  # text is spelled by plain tokens, never by a special one
     ll = ll_tokenizer(TOKENIZER, VOCAB)
     assert ll.vocab_size == VOCAB and ll.eos_token == EOS and ll.is_special_token(1) and not ll.is_special_token(100)
 
@@ -132,6 +139,7 @@ def test_a_sentencepiece_view_takes_the_longest_piece_and_skips_bytes_no_piece_s
     backend = _sentencepiece_from_vocab(pieces, [0.0] * 8, types, False, {"bos": 1, "eos": 2, "padding": None})
     view = _SentencePieceView(Tokenizer("sentencepiece", backend, bos_id=1, eos_id=2), 8)
     assert view("abcab") == [6, 5] and view("ba") == [4, 3] and view("zab") == [5] and view(" x") == [7]
+    assert view("abzb") == [5, 4]
     assert view("") == [] and view(b"ab") == [5]
     assert view.tokens[:3] == [b"<unk>", b"<s>", b"</s>"] and view.special_token_ids == [1, 2]
 
@@ -150,7 +158,7 @@ REGEX = COMPILER.compile(GrammarSpec("regex", "(ab|cd)!"))
 def test_binding_a_slot_gives_its_first_token_mask_and_makes_steps_constrained():
     table = SlotGrammars(4, VOCAB)
     seen = []
-    table.observe = lambda seconds, rows: seen.append((seconds >= 0, rows))
+    table.observe = lambda seconds, rows: seen.append((0 <= seconds < 60, rows))
     row = table.bind(2, REGEX)
     assert row.shape == (1, bitmask_words(VOCAB)) and allowed(row[0]) == {ord("a") + 3, ord("c") + 3}
     assert seen == [(True, 1)]
@@ -159,6 +167,8 @@ def test_binding_a_slot_gives_its_first_token_mask_and_makes_steps_constrained()
     table.release(2)
     table.release(2)  # releasing a free slot is a no-op
     assert not table.constrained(np.ones(4, bool))
+    with pytest.raises(GrammarError, match="Expected token"):  # a matcher that cannot start says why
+        table.bind(0, Grammar("not a grammar", COMPILER.ll, GrammarSpec("lark")))
 
 
 def test_each_row_of_a_step_gets_its_own_slots_mask_and_unconstrained_rows_allow_everything():
@@ -202,5 +212,32 @@ def test_a_json_object_slot_is_closed_before_its_budget_runs_out_and_says_it_was
     step = table.advance(0, ord('"') + 3)
     assert step.ok and step.cut and not step.ended
     table.release(0)
+    words = COMPILER.compile(GrammarSpec("regex", '[a-z"}]{1,20}'))  # could close the released JSON
+    table.bind(0, words)  # the next request in the slot has no budget, and is not cut
+    assert len(allowed(table.masks(np.array([1, 1]))[0])) == 28
+    assert table.advance(0, ord("a") + 3) == Advance(True, False)
+    table.release(0)
     table.bind(0, COMPILER.compile(GrammarSpec("json_object")))
     assert table.advance(0, ord("{") + 3) == Advance(True, False)  # a new request starts uncut
+
+
+def test_the_llguidance_view_of_a_tokenizers_tokenizer_with_several_stop_ids():
+    """Every stop id ends a grammar (EOS and, say, <|eot_id|>), and the model's padding ids are never allowed."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|end|>", "<|eot|>"])  # 256, 257
+    for tokenizer in (
+        Tokenizer("hf", backend, bos_id=None, eos_id=256, extra_stop_ids=(257,)),
+        Tokenizer("sentencepiece", TOKENIZER.backend, bos_id=1, eos_id=EOS, extra_stop_ids=(ord("z") + 3,)),
+    ):
+        ll = ll_tokenizer(tokenizer, 320)
+        assert ll.vocab_size == 320
+        grammar = GrammarCompiler(tokenizer, 320).compile(GrammarSpec("regex", "ab"))
+        for stop in tokenizer.stop_ids:
+            matcher = grammar.matcher()
+            assert matcher.consume_tokens(tokenizer.encode("ab", add_bos=False)) and matcher.consume_token(stop)
+            assert matcher.is_stopped(), (tokenizer.kind, stop)
+        row = SlotGrammars(1, 320).bind(0, grammar)
+        assert max(allowed(row[0])) < tokenizer.vocab_size
