@@ -75,6 +75,7 @@ def test_without_stop_strings_text_is_released_as_it_decodes():
             (" end", False),
         ]
         assert tail == "" and stream.text == "Hello world!🌍 the end" and not stream.stopped
+        assert stream.stopped_by is None  # no stop string matched (Anthropic: stop_sequence null)
 
 
 def test_stop_string_across_tokens_is_held_back_then_dropped():
