@@ -26,6 +26,7 @@ from hkserve.engine.constrained import GrammarCompiler
 from hkserve.train.vocab import byte_tokenizer
 
 EOS, TOOL_CALLS, ARGS, PYTHON_TAG = "<|eos|>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
+THINK, END_THINK = "<think>", "</think>"
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
@@ -45,13 +46,14 @@ OUTPUTS = {
 
 
 def special_tokenizer() -> Tokenizer:
-    """One token per byte, and EOS and the three markers as special (added, skipped by a decode) tokens."""
+    """One token per byte, and EOS, the three call markers and the reasoning tags as special (added,
+    skipped by a decode) tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (EOS, TOOL_CALLS, ARGS, PYTHON_TAG)]
+        [AddedToken(t, special=True, normalized=False) for t in (EOS, TOOL_CALLS, ARGS, PYTHON_TAG, THINK, END_THINK)]
     )
     return Tokenizer("hf", backend, bos_id=None, eos_id=backend.token_to_id(EOS), chat_template=TEMPLATE)
 
@@ -70,9 +72,10 @@ def ids(pieces: list[str]) -> list[int]:
 
 @pytest.fixture
 def serve(request):
-    def start(fmt: str, pieces: list[str]) -> LiveServer:
+    def start(fmt: str, pieces: list[str], reasoning: str = "none") -> LiveServer:
         runner = FakeRunner(ids(pieces) + [TOKENIZER.eos_id])
-        server = LiveServer(create_app(runner, TOKENIZER, "m", 4096, tool_call_parser=fmt))
+        app = create_app(runner, TOKENIZER, "m", 4096, tool_call_parser=fmt, reasoning_parser=reasoning)
+        server = LiveServer(app)
         request.addfinalizer(server.stop)
         return server
 
@@ -201,3 +204,29 @@ def test_responses_and_messages_text_never_shows_a_special_marker(serve):
     body["tools"] = [{"name": "get_weather", "input_schema": CITY}]
     message = strict(A.Message, httpx.post(server.url + "/v1/messages", json=body, timeout=30).json())
     assert [(b.type, b.text) for b in message.content] == [("text", "AB")]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_special_reasoning_tags_split_the_reasoning_and_never_show(serve, stream):
+    """DeepSeek-R1's output starts inside the reasoning (a repeated `<think>` is dropped) and closes it
+    with `</think>`, here special tokens; then a Mistral call after its special marker."""
+    pieces = [THINK, "Hmm.", END_THINK, "Hi.", TOOL_CALLS, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]']
+    server = serve("mistral", pieces, reasoning="deepseek_r1")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "max_tokens": 100}
+    if not stream:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        validate(r.json(), "CreateChatCompletionResponse")
+        message = r.json()["choices"][0]["message"]
+        reasoning, content = message["reasoning_content"], message["content"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    else:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+            deltas = [c["choices"][0]["delta"] for c in sse_events(r)[:-1]]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [
+            (t["function"]["name"], json.loads(t["function"]["arguments"]))
+            for d in deltas
+            for t in d.get("tool_calls", [])
+        ]
+    assert (reasoning, content, calls) == ("Hmm.", "Hi.", [PARIS])
