@@ -12,15 +12,27 @@ function still counts. JAX's trace caches are cleared per mutant; the persistent
     .venv/bin/python tests/mutate_inprocess.py hkserve/model/sampling.py tests/test_sampling.py out.json
 
 Results go to out.json ({mutant: [status, first failure, seconds]}), and it resumes from that file.
-Only for test files whose tests take no fixtures (parametrize is fine)."""
+A mutant whose tests run past TIMEOUT_S (an endless loop) is stopped and counted killed, as mutmut
+counts a timeout. Only for test files whose tests take no fixtures (parametrize is fine)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+
+TIMEOUT_S = 60  # per mutant: far above any file's whole run here, below a hang's cost
+
+
+class MutantTimeout(BaseException):
+    """Raised in the test by SIGALRM: not an Exception, so no test's own handler swallows it."""
+
+
+def _timed_out(signum, frame):
+    raise MutantTimeout
 
 
 def main(module: str, test_file: str, out_path: str) -> None:
@@ -51,12 +63,20 @@ def main(module: str, test_file: str, out_path: str) -> None:
     def run(name: str) -> tuple[str, str | None]:
         os.environ["MUTANT_UNDER_TEST"] = name
         jax.clear_caches()
-        for item in items:
-            try:
-                item.obj(**getattr(getattr(item, "callspec", None), "params", {}))
-            except Exception as e:
-                return "killed", f"{item.nodeid}: {type(e).__name__}: {str(e)[:200]}"
+        signal.alarm(TIMEOUT_S)
+        try:
+            for item in items:
+                try:
+                    item.obj(**getattr(getattr(item, "callspec", None), "params", {}))
+                except (Exception, pytest.fail.Exception) as e:  # pytest.raises fails with a BaseException
+                    return "killed", f"{item.nodeid}: {type(e).__name__}: {str(e)[:200]}"
+        except MutantTimeout:
+            return "killed", f"timeout: over {TIMEOUT_S} s"
+        finally:
+            signal.alarm(0)
         return "survived", None
+
+    signal.signal(signal.SIGALRM, _timed_out)
 
     baseline = run("")
     if baseline[0] != "survived":

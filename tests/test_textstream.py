@@ -1,8 +1,9 @@
 """Token ids → client text, token by token: UTF-8 safe deltas and stop strings held back until decided.
 
 A stand-in tokenizer keeps these tests exact and fast: every token is a byte string (one character
-may span two tokens), id 0 is a control token that decodes to nothing, and, as with SentencePiece,
-decoding drops one leading space, so a token decoded without its predecessors loses its word space."""
+may span two tokens), id 0 is a control token that decodes to nothing (to `<ctl>` when kept), and, as
+with SentencePiece, decoding drops one leading space, so a token decoded without its predecessors loses
+its word space."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ class PieceTokenizer:
     def __init__(self):
         self.longest_decode = 0  # most ids decoded at once
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], keep: frozenset[int] = frozenset()) -> str:
         self.longest_decode = max(self.longest_decode, len(ids))
-        text = b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
+        text = b"".join(b"<ctl>" if i in keep else PIECES[i] for i in ids).decode("utf-8", errors="replace")
         return text.removeprefix(" ")
 
 
@@ -41,6 +42,14 @@ def test_deltas_hold_split_characters_and_keep_word_spaces_past_the_context():
     tokenizer = PieceTokenizer()
     assert "".join(deltas(SENTENCE, 1, tokenizer)) == "Hello world!🌍 the end"  # one token of context suffices
     assert tokenizer.longest_decode == 3  # the context and the two halves of "🌍": no re-decoding from the start
+
+
+def test_a_kept_special_token_is_released_as_text_and_the_others_as_nothing():
+    detok = IncrementalDetokenizer(PieceTokenizer(), keep=frozenset({CONTROL}))
+    kept = [detok.add(i) for i in SENTENCE]
+    assert kept == ["Hello", " wor", "ld", "!", "", "🌍", "<ctl>", " the", " end"]
+    stream = TextStream(PieceTokenizer(), None, keep=frozenset({CONTROL}))
+    assert [stream.add(i).text for i in (HELLO, CONTROL, THE)] == ["Hello", "<ctl>", " the"]
 
 
 def test_an_unfinished_character_is_flushed_as_decoded_and_only_once():
@@ -66,6 +75,7 @@ def test_without_stop_strings_text_is_released_as_it_decodes():
             (" end", False),
         ]
         assert tail == "" and stream.text == "Hello world!🌍 the end" and not stream.stopped
+        assert stream.stopped_by is None  # no stop string matched (Anthropic: stop_sequence null)
 
 
 def test_stop_string_across_tokens_is_held_back_then_dropped():

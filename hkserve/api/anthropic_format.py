@@ -11,14 +11,16 @@ from hkserve.api.anthropic_errors import anthropic_body
 from hkserve.api.generation import Generation, Update
 from hkserve.api.items import Item, ItemBuilder, Step
 from hkserve.api.protocol import APIError
+from hkserve.api.reply import Markers
 from hkserve.api.tools import Tools
 
 
 class MessagesFormat:
-    def __init__(self, model: str, tools: Tools | None):
+    def __init__(self, model: str, tools: Tools | None, markers: Markers = Markers()):
+        """`markers`: special-token markers the parser reads and the content hides (reply.py)."""
         self.model = model
         self.id = "msg_" + uuid.uuid4().hex
-        self.builder = ItemBuilder(tools)
+        self.builder = ItemBuilder(tools, markers)
 
     def _stop(self, gen: Generation) -> tuple[str | None, str | None]:
         """(stop_reason, stop_sequence) once the reply ended."""

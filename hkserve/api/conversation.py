@@ -11,18 +11,20 @@ from hkserve.api.context import ServerContext
 from hkserve.api.generation import Generation
 from hkserve.api.protocol import APIError
 from hkserve.api.structured import FieldError, response_format_spec
+from hkserve.api.tool_parsers import special_tokens
 from hkserve.api.tools import Tools, parse_tools, render_messages
 from hkserve.engine.constrained import GrammarSpec
 from hkserve.model.sampling import SamplingParams
 
 
 def chat_tools(
-    tools: list[dict] | None, choice: Any, parallel: bool | None, fmt: str, param: str = "tools"
+    ctx: ServerContext, tools: list[dict] | None, choice: Any, parallel: bool | None, param: str = "tools"
 ) -> Tools | None:
-    """OpenAI chat-shaped tools as tools.py reads them, written in the model's call format `fmt`
+    """OpenAI chat-shaped tools as tools.py reads them, written in the model's call format
     (--tool-call-parser: ServerContext.tool_format); a 400 naming `param` when they cannot be."""
+    special = special_tokens(ctx.tokenizer, ctx.tool_format)
     try:
-        return parse_tools(tools, choice, parallel, fmt)
+        return parse_tools(tools, choice, parallel, ctx.tool_format, special)
     except FieldError as e:
         raise APIError(400, str(e), param=param if e.param == "tools" else e.param) from None
 
@@ -48,12 +50,14 @@ async def start(
     max_tokens: int | None,
     sampling: SamplingParams,
     stop: list[str],
+    keep: frozenset[int] = frozenset(),
 ) -> Generation:
-    """The conversation rendered by the chat template, submitted as one choice."""
+    """The conversation rendered by the chat template, submitted as one choice (`keep`: the special ids
+    its text shows, reply.Markers)."""
     rendered, tool_defs = render_messages(messages, tools, ctx.tokenizer.template_takes_tools)
     prompt = await ctx.off_loop(prepare.encode_chat, ctx, rendered, tool_defs)
     limits = prepare.token_limits(ctx, [prompt], max_tokens, None)
     compiled = await ctx.off_loop(prepare.compile_grammar, ctx, *grammar)
     gen = Generation(ctx.runner, ctx.tokenizer, ctx.metrics, kind, ctx.limits.max_stream_backlog)
-    gen.submit([prompt], 1, limits, sampling, stop, 0, False, None, compiled)
+    gen.submit([prompt], 1, limits, sampling, stop, 0, False, None, compiled, keep)
     return gen

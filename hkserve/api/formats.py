@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hkserve.api.generation import Generation, Update
-from hkserve.api.reply import ReplyParser
+from hkserve.api.reply import Markers, ReplyParser
 from hkserve.api.tools import Tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.outputs import ScoredToken, Token
@@ -153,10 +153,11 @@ class ChatFormat(_Format):
         super().__init__(tokenizer, model, body)
         self.tools = tools if tools is not None and tools.active else None
         self.reasoning = reasoning  # the reasoning parser's name, or None
+        self.markers = Markers.of(tokenizer, self.tools, reasoning)  # the choices' Completions keep their ids
         self.parsers: dict[int, ReplyParser] = {}  # per choice
 
     def _parser(self, index: int) -> ReplyParser:
-        return self.parsers.setdefault(index, ReplyParser(self.reasoning, self.tools))
+        return self.parsers.setdefault(index, ReplyParser(self.reasoning, self.tools, self.markers))
 
     @staticmethod
     def _reason(reason: str | None, parser: ReplyParser) -> str | None:

@@ -72,10 +72,11 @@ class Generation:
         ignore_eos: bool = False,
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         """Choice i of the request samples with seed `sampling.seed + i`; each scores its prompt, with
         `prompt_logprobs` top alternatives per token, unless that is None; each output matches `grammar`
-        when one is given."""
+        when one is given; `keep`: special ids its text shows, for the reply parsers (reply.Markers)."""
         loop = asyncio.get_running_loop()
         stop_ids = () if ignore_eos else self.tokenizer.stop_ids
         try:
@@ -87,7 +88,7 @@ class Generation:
                         list(prompt_ids), max_tokens[p], seeded, stop_ids, logprobs, prompt_logprobs, grammar
                     )
                     stream = self.runner.submit(request, loop)
-                    completion = Completion(stream, self.tokenizer, self.runner.cancel, stop)
+                    completion = Completion(stream, self.tokenizer, self.runner.cancel, stop, keep)
                     self.choices.append(Choice(index, completion))
         except (Overloaded, ValueError) as e:  # a full queue, or the runner's own validation
             self.cancel()

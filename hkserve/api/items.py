@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hkserve.api.reply import Markers
 from hkserve.api.tool_parsers import make_parser
 from hkserve.api.tools import Tools
 
@@ -37,7 +38,8 @@ class ItemBuilder:
     With tools on, whitespace between calls is held until text follows it, so no item is only
     whitespace; without tools every character is text."""
 
-    def __init__(self, tools: Tools | None):
+    def __init__(self, tools: Tools | None, markers: Markers = Markers()):
+        self.markers = markers  # special-token markers the parser reads and no item shows (reply.py)
         active = tools is not None and tools.active
         # the model's own call format (--tool-call-parser), as the chat route reads it
         self.parser = make_parser(tools.format, tools.functions, tools.choice == "auto") if active else None
@@ -47,7 +49,7 @@ class ItemBuilder:
 
     def feed(self, text: str, final: bool = False) -> list[Step]:
         content, deltas = self.parser.feed(text, final) if self.parser is not None else (text, [])
-        steps = self._text(content)
+        steps = self._text(self.markers.hide(content))
         for d in deltas:
             if d.id is not None:
                 steps += self._close()

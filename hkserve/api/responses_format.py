@@ -11,6 +11,7 @@ import uuid
 from hkserve.api.generation import Generation, Update
 from hkserve.api.items import Item, ItemBuilder, Step
 from hkserve.api.protocol import APIError
+from hkserve.api.reply import Markers
 from hkserve.api.response_store import ResponseStore
 from hkserve.api.responses_request import ResponsesRequest, output_messages
 from hkserve.api.tools import Tools
@@ -24,12 +25,13 @@ class ResponsesFormat:
         tools: Tools | None,
         store: ResponseStore,
         conversation: list[dict],  # the input as chat messages, with the previous responses' (no instructions)
+        markers: Markers = Markers(),  # special-token markers the parser reads and the output hides
     ):
         self.model, self.body, self.tools, self.store, self.conversation = model, body, tools, store, conversation
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = time.time()
         self.sequence = 0
-        self.builder = ItemBuilder(tools)
+        self.builder = ItemBuilder(tools, markers)
         self.status = "in_progress"
 
     # -- the Response object ---------------------------------------------------------------------------

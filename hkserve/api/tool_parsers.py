@@ -22,10 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hkserve.api.tools import CallDelta, CallParser, ToolCallParser, held
+from hkserve.checkpoint.tokenizer import Tokenizer
 
 FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 CHOICES = ("auto", *FORMATS)
 PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+MARKERS = {  # per format, the marker texts its parser reads (a tokenizer may have them as special tokens)
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": (PYTHON_TAG,),
+    "mistral": (TOOL_CALLS, ARGS),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+}
 QWEN_CALL = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>\n?(.*?)</function>\s*</tool_call>", re.S)
 QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 Parsed = list[tuple[str, dict]]  # (name, arguments) per call
@@ -158,6 +165,13 @@ def make_parser(fmt: str, functions: dict[str, dict], text_content: bool):
     if fmt == "mistral":
         return BlockParser(parse=parse_mistral, markers=(TOOL_CALLS,), text_content=text_content)
     return BlockParser(parse=qwen3_coder_parser(functions), markers=("<tool_call>",), text_content=text_content)
+
+
+def special_tokens(tokenizer: Tokenizer, fmt: str) -> dict[str, int]:
+    """The markers of format `fmt` that are special tokens of `tokenizer`, and their ids (Tools.special:
+    the grammar writes them as tokens, the detokenizer keeps them for the parser)."""
+    found = {marker: tokenizer.special_id(marker) for marker in MARKERS[fmt]}
+    return {marker: i for marker, i in found.items() if i is not None}
 
 
 def detect(template: str | None) -> str:

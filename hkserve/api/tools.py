@@ -47,7 +47,8 @@ For each function call, return a json object with function name and arguments wi
 class Syntax(NamedTuple):
     """How a format writes its calls, for the grammar: open, then per call head + name + mid + arguments
     + tail, calls joined by sep, then close. "auto" lets free text come first, up to `trigger` (None:
-    the calls must start the reply, as Llama's do)."""
+    the calls must start the reply, as Llama's do). `lead`: a marker that may come before the calls
+    where the tokenizer has it as a special token (Llama 3.1's `<|python_tag|>`)."""
 
     open: str
     head: str
@@ -56,11 +57,12 @@ class Syntax(NamedTuple):
     sep: str
     close: str
     trigger: str | None
+    lead: str | None = None
 
 
 SYNTAX = {
     "hermes": Syntax("", OPEN + HEAD, NAME_END, TERM, "\n", "", OPEN),
-    "llama3_json": Syntax("", '{"name": "', '", "parameters": ', "}", "; ", "", None),
+    "llama3_json": Syntax("", '{"name": "', '", "parameters": ', "}", "; ", "", None, "<|python_tag|>"),
     "mistral": Syntax("[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]", "[TOOL_CALLS]"),
     "qwen3_coder": Syntax("", OPEN + "\n<function=", ">\n", "</function>\n" + CLOSE, "\n", "", OPEN),
 }
@@ -72,6 +74,7 @@ class Tools:
     choice: str  # "none" | "auto" | "required" | a function's name
     parallel: bool = True
     format: str = "hermes"  # the format calls are written in (tool_parsers.FORMATS)
+    special: dict[str, int] = field(default_factory=dict)  # the format's markers that are special tokens: their ids
 
     @property
     def active(self) -> bool:
@@ -94,29 +97,39 @@ class Tools:
         rules = []
         for i, name in enumerate(names):
             schema = self.functions[name].get("parameters") or {"type": "object"}
-            rules.append(f"body{i}: {_lark_str(name + syntax.mid)} args{i} {_lark_str(syntax.tail)}")
+            rules.append(f"body{i}: {_lark_str(name + syntax.mid)} args{i} {self._lark(syntax.tail)}")
             rules += _args_rules(f"args{i}", schema, self.format)
         bodies = " | ".join(f"body{i}" for i in range(len(names)))
         calls = f"({bodies})"
         if self.parallel and self.choice in ("auto", "required"):
-            calls += f" ({_lark_str(syntax.sep + syntax.head)} ({bodies}))*"
-        calls += f" {_lark_str(syntax.close)}" if syntax.close else ""
+            calls += f" ({self._lark(syntax.sep + syntax.head)} ({bodies}))*"
+        calls += f" {self._lark(syntax.close)}" if syntax.close else ""
         first = syntax.open + syntax.head
+        lead = f"({self._lark(syntax.lead)})? " if syntax.lead in self.special else ""
         if self.choice != "auto":
-            head_rules = [f"start: {_lark_str(first)} {calls}"]
+            head_rules = [f"start: {lead}{self._lark(first)} {calls}"]
         elif syntax.trigger is None:  # free text that does not start a call, or the calls
             head_rules = [
-                f"start: NOCALL | {_lark_str(first)} {calls}",
+                f"start: NOCALL | {lead}{self._lark(first)} {calls}",
                 r"NOCALL: /(.|\n)*/ & ~/[ \t\n]*\{(.|\n)*/",
             ]
         else:  # free text until the first trigger, then the calls
             trigger = re.escape(syntax.trigger).replace("/", "\\/")
+            special = syntax.trigger in self.special  # the trigger is its token, after any text
+            callstart = f"NOCALL? {self._lark(syntax.trigger)}" if special else "CALLSTART"
             head_rules = [
-                f"start: NOCALL | CALLSTART {_lark_str(first[len(syntax.trigger) :])} {calls}",
+                f"start: NOCALL | {callstart} {self._lark(first[len(syntax.trigger) :])} {calls}",
                 rf"NOCALL: /(.|\n)*/ & ~/(.|\n)*{trigger}(.|\n)*/",
-                rf"CALLSTART: /(.|\n)*{trigger}/ & ~/(.|\n)*{trigger}(.|\n)+/",
-            ]
+            ] + ([] if special else [rf"CALLSTART: /(.|\n)*{trigger}/ & ~/(.|\n)*{trigger}(.|\n)+/"])
         return GrammarSpec("lark", "\n".join(head_rules + rules) + "\n")
+
+    def _lark(self, text: str) -> str:
+        """`text` as Lark: a marker that is a special token as that token (`<[id]>`: a special token is
+        never spelled by plain ones), the rest as strings."""
+        if not self.special:
+            return _lark_str(text)
+        parts = re.split("(" + "|".join(map(re.escape, self.special)) + ")", text)
+        return " ".join(f"<[{self.special[p]}]>" if p in self.special else _lark_str(p) for p in parts if p) or '""'
 
 
 def _args_rules(rule: str, schema: dict, fmt: str) -> list[str]:
@@ -157,9 +170,12 @@ def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: str = "hermes") -> Tools | None:
-    """The request's tools, or None when it has none. Raises FieldError for what cannot be honoured:
-    a malformed tool, a duplicate or invalid name, a tool_choice naming a function not given."""
+def parse_tools(
+    tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: str = "hermes", special: dict[str, int] | None = None
+) -> Tools | None:
+    """The request's tools, or None when it has none (`special`: Tools.special). Raises FieldError for
+    what cannot be honoured: a malformed tool, a duplicate or invalid name, a tool_choice naming a
+    function not given."""
     if tool_choice is not None and not tools:
         if tool_choice == "none":
             return None
@@ -186,7 +202,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: str
             entry["parameters"] = params
         functions[name] = entry
     choice = _choice(tool_choice if tool_choice is not None else "auto", functions)
-    return Tools(functions, choice, parallel_tool_calls is not False, fmt)
+    return Tools(functions, choice, parallel_tool_calls is not False, fmt, dict(special or {}))
 
 
 def _choice(tool_choice: Any, functions: dict) -> str:

@@ -96,13 +96,37 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return list(ids)
 
-    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """`keep`: special ids written out even when skipping the others (the tool-call and reasoning
+        markers a reply parser reads, such as Mistral's `[TOOL_CALLS]`)."""
         ids = [int(i) for i in ids]
         if self.kind == "hf":
+            if skip_special and keep:
+                ids, skip_special = [i for i in ids if i in keep or i not in self._special_ids], False
             return self.backend.decode(ids, skip_special_tokens=skip_special)
-        if skip_special:
-            ids = [i for i in ids if not self.backend.is_control(i)]
-        return self.backend.decode(ids)
+        if not skip_special:
+            return self.backend.decode(ids)
+        out, run = [], []  # SentencePiece writes control pieces as nothing: a kept one goes in by hand
+        for i in ids:
+            if i in keep:
+                out += [self.backend.decode(run), self.token_text(i)]
+                run = []
+            elif not self.backend.is_control(i):
+                run.append(i)
+        return "".join(out) + self.backend.decode(run)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The ids a `tokenizers` decode skips as special."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    def special_id(self, text: str) -> int | None:
+        """The id of `text` when it is one special (control) token, which a decode skips; else None."""
+        if self.kind == "hf":
+            token_id = self.backend.token_to_id(text)
+            return token_id if token_id in self._special_ids else None
+        token_id = self.backend.piece_to_id(text)
+        return token_id if token_id != self.backend.unk_id() and self.backend.is_control(token_id) else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a byte-level token may be part of a character)."""

@@ -55,11 +55,13 @@ class Completion:
         tokenizer: Tokenizer,
         cancel: Callable[[str], None],
         stop: Sequence[str] | None = None,
+        keep: frozenset[int] = frozenset(),
     ):
+        """`keep`: special ids whose text is released, for a reply parser to read (detokenize.py)."""
         self.stream = stream
         self.request = stream.request
         self._cancel = cancel
-        self._text = TextStream(tokenizer, list(stop or ()))
+        self._text = TextStream(tokenizer, list(stop or ()), keep)
         self.tokens = 0  # tokens delivered before the end, EOS included
         self.finish_reason: str | None = None
 

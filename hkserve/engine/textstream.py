@@ -18,8 +18,9 @@ class Piece(NamedTuple):
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None):
-        self.detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None, keep: frozenset[int] = frozenset()):
+        """`keep`: special ids whose text is released (IncrementalDetokenizer)."""
+        self.detok = IncrementalDetokenizer(tokenizer, keep=keep)
         self.stop = [s for s in stop or [] if s]
         self.held = ""  # decoded text not released yet
         self.text = ""  # everything released

@@ -11,6 +11,7 @@ from hkserve.api.generation import Generation
 from hkserve.api.protocol import APIError, ChatRequest
 from hkserve.api.streaming import respond
 from hkserve.api.structured import FieldError
+from hkserve.api.tool_parsers import special_tokens
 from hkserve.api.tools import parse_tools, render_messages
 
 router = APIRouter()
@@ -21,15 +22,17 @@ async def chat(request: Request, ctx: Context):
     body, sampling = await prepare.parse_generation(ctx, request, ChatRequest)
     prepare.check_choices(ctx, 1, body.n)
     try:
-        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_format)
+        special = special_tokens(ctx.tokenizer, ctx.tool_format)
+        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_format, special)
     except FieldError as e:
         raise APIError(400, str(e), param=e.param) from None
     messages, tool_defs = render_messages(body.template_messages(), tools, ctx.tokenizer.template_takes_tools)
     prompt = await ctx.off_loop(prepare.encode_chat, ctx, messages, tool_defs, body.chat_template_kwargs)
     max_tokens = prepare.token_limits(ctx, [prompt], body.token_limit, None)
     grammar = await ctx.off_loop(prepare.compile_grammar, ctx, *prepare.structure(body, tools, ctx.reasoning_parser))
+    fmt = formats.ChatFormat(ctx.tokenizer, ctx.model_name, body, tools, ctx.reasoning_parser)
     gen = Generation(ctx.runner, ctx.tokenizer, ctx.metrics, "chat", ctx.limits.max_stream_backlog)
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    gen.submit([prompt], body.n, max_tokens, sampling, body.stop, top, body.ignore_eos, None, grammar)
-    fmt = formats.ChatFormat(ctx.tokenizer, ctx.model_name, body, tools, ctx.reasoning_parser)
+    stop, ignore_eos, keep = body.stop, body.ignore_eos, fmt.markers.ids
+    gen.submit([prompt], body.n, max_tokens, sampling, stop, top, ignore_eos, None, grammar, keep)
     return await respond(request, gen, body.stream, fmt.chunks, fmt.final)
