@@ -36,7 +36,10 @@ def _log(message: str) -> None:
 
 
 def cmd_pull(args) -> int:
-    pull(args.name, ModelStore(), progress=not args.quiet, weights=args.weights)
+    store = ModelStore()
+    pull(args.name, store, progress=not args.quiet, weights=args.weights)
+    if args.weights not in (None, "f32"):  # a model pulled before: its variant made from the master now
+        store.params(args.name, weights=args.weights)
     return 0
 
 
