@@ -43,9 +43,10 @@ def convert(
     weights: str | None = None,
 ) -> Path:
     """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`, with the
-    weight variant `weights` beside the master, recorded as the one to serve on a CPU (source.json
-    "weights"). None: a quantized GGUF's own precision (gguf_precision.py: int4 from its blocks, or
-    int8), nothing for float files; "f32": the master only."""
+    weight variant `weights` beside the master; int8 and int4 are recorded as the one to serve on a CPU
+    (source.json "weights"; bf16 is not: XLA's CPU products are slow in it). None: a quantized GGUF's
+    own precision (gguf_precision.py: int4 from its blocks, or int8), nothing for float files; "f32":
+    the master only."""
     source = Path(source)
     if source.is_dir():
         config, params = load_hf(source, dtype)
@@ -57,7 +58,7 @@ def convert(
         fmt, native = "gguf", _servable(native_weights(reader), config)
     chosen = weights or native
     info = {"format": fmt, "path": str(source.absolute()), "dtype": dtype, **(origin or {})}
-    if chosen not in (None, "f32"):
+    if chosen in ("int8", "int4"):
         info["weights"] = chosen
     path = store.save(name, config, params, tokenizer, info, overwrite=overwrite)
     if chosen == "int4" and fmt == "gguf":

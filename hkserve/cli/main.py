@@ -26,8 +26,8 @@ from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
 
 VARIANT_HELP = (
-    "also store this weight variant and serve it by default on a CPU (default: a quantized GGUF's own precision, "
-    "int4 for 4-6 bit files from their blocks, int8 for Q8_0; f32 = the float32 master only)"
+    "also store this weight variant, and serve it by default on a CPU if int8/int4 (default: a quantized GGUF's "
+    "own precision, int4 for 4-6 bit files from their blocks, int8 for Q8_0; f32 = the float32 master only)"
 )
 
 
