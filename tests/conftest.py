@@ -48,7 +48,9 @@ def smollm2_home(run_dir) -> Path:
     home = run_dir / "hkhome"
     with FileLock(run_dir / "hkhome.lock"):  # the first worker pulls, the others wait for it
         if not (home / "models" / "smollm2-135m-instruct" / "config.json").is_file():
-            result = hkserve("pull", "--quiet", home=home)
+            # the float32 master only: the suite's SmolLM2 tests check float32 against float32 references
+            # (a plain pull would also store its Q4_1 blocks as int4, the CPU's default since issue 36)
+            result = hkserve("pull", "--quiet", "--weights", "f32", home=home)
             assert (home / "models" / "smollm2-135m-instruct" / "config.json").is_file(), result.stderr
     return home
 

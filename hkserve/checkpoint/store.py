@@ -138,6 +138,13 @@ class ModelStore:
         _, variant = convert_params(master, info.config, dtype)
         self._write_variant(info, dtype, path, variant)
 
+    def variant_sizes(self, name: str) -> dict[str, int]:
+        """Bytes on disk of each stored weight variant, the master's dtype first: {"float32": ..., "int4": ...}."""
+        info = self.info(name)
+        dirs = [(info.config.dtype, info.path / "params")]
+        dirs += [(p.name.removeprefix("params-"), p) for p in sorted(info.path.glob("params-*")) if p.is_dir()]
+        return {dtype: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for dtype, d in dirs}
+
     def save_variant(self, name: str, dtype: str, params: dict) -> None:
         """Store `params` as the model's `dtype` variant (params-<dtype>), replacing one made before: e.g.
         int4 made from a GGUF's own 4-bit blocks (gguf_int4.py) rather than from the float master."""

@@ -51,11 +51,17 @@ class LoadOptions:
 
 
 def serving_weights(store: ModelStore, name: str, requested: str | None) -> str | None:
-    """--weights as given; else bf16 on an accelerator and f32 on a CPU (`default_weights`), for a KV
-    model. A Transformer-VQ model keeps its stored weights unless asked (it has no variants)."""
-    if requested is None and store.info(name).config.memory == "vq":
+    """--weights as given; else bf16 on an accelerator and, on a CPU, the variant the model was converted
+    to serve (a quantized GGUF's own precision, source.json "weights": int4 or int8, run by the CPU
+    kernels) or f32 (`default_weights`), for a KV model. A Transformer-VQ model keeps its stored weights
+    unless asked (it has no variants)."""
+    info = store.info(name)
+    if requested is None and info.config.memory == "vq":
         return None
-    return default_weights(jax.default_backend(), requested)
+    backend = jax.default_backend()
+    if requested is None and backend == "cpu" and info.source.get("weights"):
+        return default_weights(backend, info.source["weights"])
+    return default_weights(backend, requested)
 
 
 def add_variant_arguments(p) -> None:
@@ -64,7 +70,8 @@ def add_variant_arguments(p) -> None:
         "--weights",
         default=None,
         choices=list(WEIGHTS),
-        help="weight variant (default: bf16 on a GPU/TPU, f32 on a CPU)",
+        help="weight variant (default: bf16 on a GPU/TPU; on a CPU the one the model was converted to serve, a "
+        "quantized GGUF's own int4/int8, else f32)",
     )
     add_kernels_argument(p)
     add_layers_argument(p)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from pathlib import Path
 
 from hkserve.bench.cli import add_bench_parser
-from hkserve.checkpoint.convert import convert, pull, store_gguf_int4
+from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import eval_ppl, logits
 from hkserve.cli.compile_cache import enable_compile_cache
@@ -26,6 +25,11 @@ from hkserve.cli.xla_flags import apply_gpu_defaults
 from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
 
+VARIANT_HELP = (
+    "also store this weight variant, and serve it by default on a CPU if int8/int4 (default: a quantized GGUF's "
+    "own precision, int4 for 4-6 bit files from their blocks, int8 for Q8_0; f32 = the float32 master only)"
+)
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -34,18 +38,14 @@ def _log(message: str) -> None:
 def cmd_pull(args) -> int:
     store = ModelStore()
     pull(args.name, store, progress=not args.quiet, weights=args.weights)
-    if args.weights != "f32":
-        store.params(args.name, weights=args.weights)  # makes and stores the variant once
+    if args.weights not in (None, "f32"):  # a model pulled before: its variant made from the master now
+        store.params(args.name, weights=args.weights)
     return 0
 
 
 def cmd_convert(args) -> int:
     store = ModelStore()
-    path = convert(args.path, args.name, store, overwrite=args.overwrite, progress=not args.quiet)
-    if args.weights == "int4" and Path(args.path).is_file():  # a GGUF's int4 from its own blocks
-        store_gguf_int4(args.path, args.name, store, progress=not args.quiet)
-    if args.weights != "f32":
-        store.params(args.name, weights=args.weights)
+    path = convert(args.path, args.name, store, overwrite=args.overwrite, progress=not args.quiet, weights=args.weights)
     _log(f"{args.name} stored at {path}")
     return 0
 
@@ -58,9 +58,10 @@ def cmd_models(args) -> int:
         _log(f"no models in {ModelStore().models_dir}; run `hkserve pull`")
     for m in models:
         c = m.config
+        sizes = ", ".join(f"{dtype} {size / 1e6:.1f} MB" for dtype, size in ModelStore().variant_sizes(m.name).items())
         print(
             f"{m.name}\t{c.n_params / 1e6:.0f}M params\t{c.dtype}\t{c.n_layers} layers\tctx {c.context_length}"
-            f"\t{m.source.get('format', '?')}\t{m.path}"
+            f"\t{m.source.get('format', '?')}\t{sizes}\tCPU default {m.source.get('weights', 'f32')}\t{m.path}"
         )
     return 0
 
@@ -79,14 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download and convert a known model into the store")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help=VARIANT_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("convert", help="import a local GGUF file or Hugging Face directory")
     p.add_argument("path")
     p.add_argument("--name", required=True)
-    p.add_argument("--weights", default="f32", choices=list(WEIGHTS), help="also store this weight variant")
+    p.add_argument("--weights", default=None, choices=list(WEIGHTS), help=VARIANT_HELP)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_convert)

@@ -22,7 +22,15 @@ import jaxlib
 log = logging.getLogger("hkserve.kernels")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "qmatmul.cc", HERE / "attention.cc", HERE / "logits.cc", HERE / "q4matmul.cc")  # one library
-HEADERS = (HERE / "threads.h", HERE / "problem.h", HERE / "w8a16.h", HERE / "vexp.h", HERE / "quant8.h")
+HEADERS = (
+    HERE / "threads.h",
+    HERE / "problem.h",
+    HERE / "w8a16.h",
+    HERE / "vexp.h",
+    HERE / "quant8.h",
+    HERE / "q4.h",
+    HERE / "q4a16.h",
+)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 

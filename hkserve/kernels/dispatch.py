@@ -1,5 +1,5 @@
-"""Which matrix-product path a model runs: `--kernels auto | w8a32 | w8a16 | w8a8 | xla` → a KernelSpec or
-None (XLA's dots).
+"""Which matrix-product path a model runs: `--kernels auto | w8a32 | w8a16 | w8a8 | w4a16 | w4a8 | xla` → a
+KernelSpec or None (XLA's dots).
 
 auto is w8a16: int8 weights times activations quantized per row to int16 in blocks of 128
 (vpdpwssd: twice the multiply-adds per instruction of float32 FMAs), whose perplexity is the
@@ -7,6 +7,10 @@ weight-only kernel's to 4 digits (SmolLM2 on the Genesis excerpt 4.4835 vs w8a32
 4.4475) and which is the faster at every batch (kernels/README.md). w8a32 keeps the activations
 float32 (the quality of XLA's int8 path); w8a8 quantizes them to int8 per 32 values (llama.cpp's
 Q8_0), whose perplexity on that short excerpt swings by 1-3% with the last bits of its inputs.
+
+int4 weights run hk_w4a16 (int16 activation blocks) under auto and every kind but w8a8 and w4a8, which
+run hk_w4a8 (int8 per 32): the int8 blocks moved SmolLM2's Q4_1 perplexity by -0.44% / -1.60% with
+eval-ppl's window, the int16 ones stay by XLA's int4 path (kernels/README.md has the table).
 
 The decoder reads the active spec while it is traced (`using(spec)`), so one model function serves
 both paths and the choice is made once, where the model is built.
@@ -25,7 +29,7 @@ import jax
 from hkserve.kernels import contention, ffi
 
 log = logging.getLogger("hkserve.kernels")
-CHOICES = ("auto", "w8a32", "w8a16", "w8a8", "xla")
+CHOICES = ("auto", "w8a32", "w8a16", "w8a8", "w4a16", "w4a8", "xla")
 
 
 class KernelSpec(NamedTuple):
@@ -33,9 +37,10 @@ class KernelSpec(NamedTuple):
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
     threads: int = 0  # 0: XLA's intra-op pool, capped while other processes hold cores (contention.py);
     # HKSERVE_KERNEL_THREADS=N fixes N (1: the calling thread only)
+    int4: str = "w4a16"  # int4 weights x activations: "w4a16" int16 per 128 values | "w4a8" int8 per 32
 
     def describe(self) -> str:
-        return f"{self.kind} on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
+        return f"{self.kind} (int4: {self.int4}) on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
 
 
 _ACTIVE: contextvars.ContextVar[KernelSpec | None] = contextvars.ContextVar("hkserve_kernels", default=None)
@@ -63,9 +68,12 @@ def add_kernels_argument(p) -> None:
         help="int8 matrix products: auto = the C++ CPU kernels where they apply (int8 weights, CPU, 1x1 mesh) "
         "with activations quantized to int16 per 128 values (w8a16; float32's perplexity to 4 digits), and "
         "decode attention reading the KV memory in place; w8a32 = float32 activations; w8a8 = int8 activations "
-        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots",
+        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots. int4 weights run w4a16 (int16 activations) "
+        "except with w8a8 or w4a8 (int8 activations per 32); w4a16/w4a8 name the int4 kernel and keep w8a16",
     )
 
+
+INT4_KINDS = ("w4a16", "w4a8")  # name the int4 kernel; the int8 weights (embeddings) then run w8a16
 
 ISA_ENV = "HKSERVE_KERNEL_ISA"  # "avx2": the AVX2 paths on an AVX-512 machine too (to test and measure them)
 
@@ -82,8 +90,8 @@ def machine_isa() -> int:
 def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) -> KernelSpec | None:
     """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for int8 KV-memory
     weights on a single CPU device when this CPU runs an ISA path and the library builds (else they log
-    why not). int4 models take them too: hk_w4a8 for their int4 linear weights, the spec's kind for their
-    int8 embeddings (and tied head)."""
+    why not). int4 models take them too: the spec's int4 kernel for their int4 linear weights, its kind
+    for their int8 embeddings (and tied head)."""
     if requested not in CHOICES:
         raise ValueError(f"--kernels must be one of {CHOICES}, got {requested!r}")
     if requested == "xla" or dtype not in ("int8", "int4") or memory != "kv":
@@ -97,8 +105,9 @@ def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) ->
     if isa == 0:
         log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA's dots")
         return None
-    kind = "w8a16" if requested == "auto" else requested
-    spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")))
+    kind = "w8a16" if requested in ("auto", *INT4_KINDS) else requested
+    int4 = "w4a8" if requested in ("w8a8", "w4a8") else "w4a16"
+    spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")), int4)
     if spec.threads == 0:  # the pool's threads, fewer while other processes hold cores
         contention.watch(ffi.set_thread_cap)
     log.warning("kernels: %s", spec.describe())

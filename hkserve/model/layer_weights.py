@@ -92,7 +92,9 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     kernel = dispatch.active()
     if weight.mins is not None:  # int4: every part's columns, padded to whole tiles
         n = weight.packed.shape[1] * pack.N_TILE
-        y = q4ffi.matmul_w4a8(x, *weight[:2], weight.mins, n, kernel.isa, kernel.threads, layer=weight.layer)
+        y = q4ffi.matmul_int4(
+            x, *weight[:2], weight.mins, n, kernel.int4, kernel.isa, kernel.threads, layer=weight.layer
+        )
     else:
         y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
     outs, at = [], 0

@@ -107,7 +107,9 @@ class Linear(hk.Module):
         held = layer_weights.held(hk.experimental.current_name())
         kernel = dispatch.active()
         if held is not None and held.mins is not None:  # int4, kernel mode inside the layer stack
-            y = q4ffi.matmul_w4a8(x, *held[:2], held.mins, self.out_dim, kernel.isa, kernel.threads, layer=held.layer)
+            y = q4ffi.matmul_int4(
+                x, *held[:2], held.mins, self.out_dim, kernel.int4, kernel.isa, kernel.threads, layer=held.layer
+            )
         elif held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
             y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
         elif self.dtype == INT4:
@@ -121,15 +123,15 @@ class Linear(hk.Module):
 
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int4Weight [K, out_dim] (K padded to whole groups): hk_w4a8 with the CPU kernels, else
-    dequantized in the dot (XLA)."""
+    """x · an Int4Weight [K, out_dim] (K padded to whole groups): the spec's int4 kernel (hk_w4a16 or
+    hk_w4a8) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
     kernel = dispatch.active()
     if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.py)
         wshape, sshape = pack4.packed_shapes((groups * GROUP // 2, out_dim))
         w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
         scale, low = (hk.get_parameter(n, sshape, F32, init=jnp.zeros) for n in ("scale", "min"))
-        return q4ffi.matmul_w4a8(x, w, scale, low, out_dim, kernel.isa, kernel.threads)
+        return q4ffi.matmul_int4(x, w, scale, low, out_dim, kernel.int4, kernel.isa, kernel.threads)
     w = hk.get_parameter("w", [groups * GROUP // 2, out_dim], jnp.uint8, init=jnp.zeros)
     scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
     low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)

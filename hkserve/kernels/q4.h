@@ -1,0 +1,153 @@
+// What both int4 kernels of q4matmul.cc share (hk_w4a8, hk_w4a16): the packed weight's group and tile,
+// one call's operands (Q4Problem) and the loops over a tile's groups and rows. The activations' side is
+// a policy A (q4matmul.cc's A8, q4a16.h's A16): A::acts512/acts256 broadcast a row's activations for
+// input quad j of a group, A::dot512/dot256 add one 64-byte (32-byte) line's products into exact
+// integer sums per column, A::sums256 widens the AVX2 sums to int32.
+//
+// Packed layout (kernels/pack4.py), per 64-column tile t and group g, 1024 bytes: 4 input quads j,
+// each 4 column quarters c, each 16 columns x 4 inputs; a byte holds input 4j + e of the group in its
+// low nibble and input 16 + 4j + e in its high one. Scales and mins: [N/64][K/32][64] float32.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "problem.h"
+
+namespace hk {
+
+constexpr int64_t G4 = 32;    // inputs per group (= QK, hk_w4a8's activation block)
+constexpr int64_t GB = 1024;  // packed bytes per (tile, group): 64 columns x 32 nibbles
+
+struct Q4Problem {
+  int64_t m, k, n, kp, np;  // rows, inputs, outputs, padded inputs (whole groups), padded outputs
+  const uint8_t* w;         // [np/64][kp/32][1024]
+  const float* sc;          // [np/64][kp/32][64]
+  const float* mn;          // [np/64][kp/32][64]
+  const int8_t* xq;         // hk_w4a8: [m, kp] int8 activations
+  const int16_t* x16;       // hk_w4a16: [m, kp] int16 activations, each quad in the order x0, x2, x1, x3
+  const float* xd;          // [m, kp/32] the activations' scale at each group
+  const float* xs;          // [m, kp/32] xd * the group's sum of activations (what the mins multiply)
+  float* y;                 // [m, n]
+};
+
+// Tile t's packed groups, scales and mins.
+struct Q4Tile {
+  int64_t ng;             // groups
+  const uint8_t* w;       // [ng][1024]
+  const float *sc, *mn;   // [ng][64]
+};
+
+inline Q4Tile tile4(const Q4Problem& p, int64_t t) {
+  const int64_t ng = p.kp / G4;
+  return {ng, p.w + t * ng * GB, p.sc + t * ng * NT, p.mn + t * ng * NT};
+}
+
+// 4 bytes of a row's quantized activations (4 int8 or 2 int16) at input `at` of group g, as one lane.
+template <typename T>
+inline int32_t lane(const T* x, const Q4Problem& p, int64_t row, int64_t g, int64_t at) {
+  int32_t v;
+  std::memcpy(&v, x + row * p.kp + g * G4 + at, 4);
+  return v;
+}
+
+inline void store4(const Q4Problem& p, int64_t row, int64_t t, const float* acc) {
+  int64_t cols = std::min<int64_t>(NT, p.n - t * NT);
+  std::memcpy(p.y + row * p.n + t * NT, acc, cols * sizeof(float));
+}
+
+// Group g's exact integer sums a (16 columns, from column `col` of the tile's scales) into the row's
+// float sums: f += a * (scale * xd) + min * xs, one order whatever the batch.
+__attribute__((target("avx512f"))) inline __m512 group_512(const Q4Problem& p, const Q4Tile& q, int64_t col, int64_t at,
+                                                           __m512i a, __m512 f) {
+  __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(q.sc + col), _mm512_set1_ps(p.xd[at]));
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), dd, f);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(q.mn + col), _mm512_set1_ps(p.xs[at]), f);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 group_avx2(const Q4Problem& p, const Q4Tile& q, int64_t col, int64_t at,
+                                                             __m256i a, __m256 f) {
+  __m256 dd = _mm256_mul_ps(_mm256_loadu_ps(q.sc + col), _mm256_set1_ps(p.xd[at]));
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), dd, f);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(q.mn + col), _mm256_set1_ps(p.xs[at]), f);
+}
+
+// Rows r0..r0+R-1 of tile t: per group, integer sums per column (16 columns a vector), then
+// group_512's float step; the rows share each weight load.
+template <class A, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Problem& p, int64_t t, int64_t r0) {
+  const Q4Tile tl = tile4(p, t);
+  __m512 f[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) f[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < tl.ng; ++g) {
+    __m512i a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      typename A::X512 x[R];
+      for (int r = 0; r < R; ++r) x[r] = A::acts512(p, r0 + r, g, j);
+      const uint8_t* q = tl.w + g * GB + j * 256;
+      prefetch_256(q);
+      for (int c = 0; c < 4; ++c) {
+        __m512i v = _mm512_loadu_si512(q + 64 * c);
+        for (int r = 0; r < R; ++r) a[r][c] = A::dot512(a[r][c], v, x[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) f[r][c] = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], f[r][c]);
+  }
+  alignas(64) float acc[NT];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + 16 * c, f[r][c]);
+    store4(p, r0 + r, t, acc);
+  }
+}
+
+// As rows_512 one 16-column quarter at a time, each 64-byte line as two 8-column halves.
+template <class A, int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t, int64_t r0) {
+  const Q4Tile tl = tile4(p, t);
+  float acc[R][NT];
+  for (int c = 0; c < 4; ++c) {
+    __m256 f[R][2];
+    for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < tl.ng; ++g) {
+      __m256i s[R][2];
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* q = tl.w + g * GB + j * 256 + 64 * c;
+        _mm_prefetch(reinterpret_cast<const char*>(q + PF), _MM_HINT_T0);
+        typename A::X256 x[R];
+        for (int r = 0; r < R; ++r) x[r] = A::acts256(p, r0 + r, g, j);
+        for (int e = 0; e < 2; ++e) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * e));
+          for (int r = 0; r < R; ++r) s[r][e] = A::dot256(s[r][e], v, x[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int e = 0; e < 2; ++e)
+          f[r][e] = group_avx2(p, tl, g * NT + 16 * c + 8 * e, (r0 + r) * tl.ng + g, A::sums256(s[r][e]), f[r][e]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int e = 0; e < 2; ++e) _mm256_storeu_ps(acc[r] + 16 * c + 8 * e, f[r][e]);
+  }
+  for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
+}
+
+// Rows [r, end) of tile t on ISA path `isa`, in pairs that share each weight load.
+template <class A>
+void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end) {
+  if (isa == 2) {
+    for (; r + 2 <= end; r += 2) rows_512<A, 2>(p, t, r);
+    for (; r < end; ++r) rows_512<A, 1>(p, t, r);
+  } else {
+    for (; r + 2 <= end; r += 2) rows_avx2<A, 2>(p, t, r);
+    for (; r < end; ++r) rows_avx2<A, 1>(p, t, r);
+  }
+}
+
+}  // namespace hk
