@@ -34,6 +34,7 @@ class CompileCounter:
         self._lock = threading.Lock()  # the warm-up runs on its own thread
         self.programs = self.hits = self.writes = 0
         self.spans: list[tuple[float, float]] = []  # (start, end) of each trace, lowering or compile, time.time()
+        self.seconds = dict.fromkeys(("trace", "lower", "compile"), 0.0)  # summed by kind (nested traces twice)
         jax.monitoring.register_event_listener(self._event)
         jax.monitoring.register_event_time_span_listener(self._span)
 
@@ -47,9 +48,11 @@ class CompileCounter:
             self.writes += event == CACHE_WRITES
 
     def _span(self, event: str, start: float, end: float, **_) -> None:
-        if event in (TRACE, LOWER, COMPILE):
+        kind = {TRACE: "trace", LOWER: "lower", COMPILE: "compile"}.get(event)
+        if kind:
             with self._lock:
                 self.spans.append((start, end))
+                self.seconds[kind] += end - start
                 self.programs += event == COMPILE
 
     def seconds_within(self, start: float, end: float) -> float:
@@ -115,6 +118,7 @@ class StartupTimeline:
             "ready_s": round(now - self.process_start, 3),
             "seconds": seconds,
             "compiles": {"programs": programs, "cache_hits": hits, "cache_misses": programs - hits},
+            "compile_seconds": {k: round(v, 3) for k, v in self.compiles.seconds.items()},
             "cache_writes": self.compiles.writes,
             "memory": memory(base_engine(engine), self.stored_weights_bytes),
         }
