@@ -28,14 +28,13 @@ def bench_startup(home, weights: str, slots: int, max_len: int) -> list[dict]:
 def check_warm_start_compiles_nothing(runs: list[dict]) -> None:
     cold, warm = runs
     assert (cold["start"], warm["start"]) == ("cold", "warm")
-    # The cold start compiled and stored every program (the counter sees compiles at all) ...
+    # The cold start compiled and stored every program it did not find (two functions of one program: the
+    # second finds the first's entry), so the counter sees compiles at all and none bypassed the cache ...
     assert cold["compiles"]["programs"] > 5
-    assert cold["compiles"]["cache_misses"] == cold["compiles"]["programs"] == cold["cache_writes"]
+    assert cold["compiles"]["cache_misses"] == cold["cache_writes"] > 5
     # ... and the warm one needed the same programs and loaded every one of them from the cache.
-    assert warm["compiles"] == {
-        "programs": cold["compiles"]["programs"],
-        "cache_hits": warm["compiles"]["programs"],
-    } | {"cache_misses": 0}
+    programs = cold["compiles"]["programs"]
+    assert warm["compiles"] == {"programs": programs, "cache_hits": programs, "cache_misses": 0}
     assert warm["cache_writes"] == 0
 
 

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import queue
+import shlex
 import shutil
 import signal
 import socket
@@ -32,6 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", default="f32,int8", help="comma list of weight variants, each started cold then warm")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--serve-args", default="", help='more of serve\'s flags, e.g. "--kv-layout paged"')
     p.add_argument("--warm-starts", type=int, default=1, help="warm starts after each cold one")
     p.add_argument("--ready-within", type=float, default=1800, help="seconds a start may take before it fails")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
@@ -84,6 +86,7 @@ def start_once(args, weights: str, cache: str) -> dict:
     port = _port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--slots", str(args.slots), "--max-len", str(args.max_len), "--weights", weights]
+    cmd += shlex.split(args.serve_args)
     env = {**os.environ, "HKSERVE_COMPILE_CACHE": cache}
     launched = time.perf_counter()
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -133,5 +136,6 @@ def run(args) -> int:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     if args.json:
-        print(json.dumps({"model": args.model, "slots": args.slots, "max_len": args.max_len, "runs": runs}))
+        setup = {"model": args.model, "slots": args.slots, "max_len": args.max_len, "serve_args": args.serve_args}
+        print(json.dumps({**setup, "runs": runs}))
     return 0

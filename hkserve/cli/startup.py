@@ -92,7 +92,8 @@ class StartupTimeline:
     def __init__(self):
         self.process_start = psutil.Process().create_time()
         self.compiles = CompileCounter()
-        self.phases: list[Phase] = []
+        # Up to here: the interpreter and the imports (hkserve, JAX, the HTTP stack), before serve runs.
+        self.phases = [Phase("imports", self.process_start, time.time())]
         self.stored_weights_bytes = 0  # the weights as read from the store, before packing
 
     @contextlib.contextmanager
@@ -105,7 +106,7 @@ class StartupTimeline:
 
     def report(self, engine) -> dict:
         """Seconds by part (each phase less its compiles, the compiles, the rest since the process
-        started), the compile counts, and the memory held: see `memory`."""
+        started: tokenizer, HTTP app, threads), the compile counts, and the memory held: see `memory`."""
         now = time.time()
         seconds = {}
         for p in self.phases:
