@@ -106,8 +106,10 @@ class StartupTimeline:
 
     def report(self, engine) -> dict:
         """Seconds by part (each phase less its compiles, the compiles, the rest since the process
-        started: tokenizer, HTTP app, threads), the compile counts, and the memory held: see `memory`."""
+        started: tokenizer, HTTP app, threads), the compile counts, and the memory held: see `memory`.
+        Taken once, at ready: the counting stops here (a long-running server keeps no list of spans)."""
         now = time.time()
+        self.compiles.close()
         seconds = {}
         for p in self.phases:
             compiling = self.compiles.seconds_within(p.start, p.end)
