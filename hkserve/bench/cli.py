@@ -1,4 +1,4 @@
-"""The `bench` subcommand and its benchmarks: engine, serve, soak, moe, structured, spec, vq."""
+"""The `bench` subcommand and its benchmarks: engine, serve, soak, startup, moe, structured, spec, vq."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hkserve.bench import prefix as bench_prefix
 from hkserve.bench import serve as bench_serve
 from hkserve.bench import soak as bench_soak
 from hkserve.bench import spec as bench_spec
+from hkserve.bench import startup as bench_startup
 from hkserve.bench import steady as bench_steady
 from hkserve.bench import structured as bench_structured
 from hkserve.bench import vq as bench_vq
@@ -112,6 +113,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = kinds.add_parser("soak", help="steady mixed HTTP traffic for a while: the server's RSS and fds before/after")
     bench_soak.add_arguments(p)
     p.set_defaults(func=bench_soak.run)
+
+    p = kinds.add_parser("startup", help="seconds and memory of `serve` to /health 200, cold and warm compile cache")
+    bench_startup.add_arguments(p)
+    p.set_defaults(func=bench_startup.run)
 
     p = kinds.add_parser("moe", help="decode tok/s of a random grok-style MoE: used experts only vs all experts")
     bench_moe.add_arguments(p)

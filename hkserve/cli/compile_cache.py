@@ -31,8 +31,11 @@ def enable_compile_cache() -> Path | None:
     max_mb = int(os.environ.get("HKSERVE_COMPILE_CACHE_MAX_MB", "4096"))
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    # Cache every compile: the engine's are seconds each, and the many small ones (warm-up helpers,
-    # samplers) add up to seconds more at each start.
+    # Cache every compile, however quick or small: the engine's are seconds each, and the many small
+    # ones (warm-up helpers, samplers) add up to seconds more at each start. A warm start then compiles
+    # nothing (tests/test_startup.py). -1 for the size: no minimum, and none that JAX may substitute for
+    # the filesystem (0 lets it).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", max_mb * 1024 * 1024)
     return path

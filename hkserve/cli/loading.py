@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import jax
 from hkserve.checkpoint.convert import pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
 from hkserve.cli import speculative
+from hkserve.cli.startup import StartupTimeline, tree_bytes
 from hkserve.engine.engine import Engine
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 from hkserve.engine.options import EngineOptions
@@ -123,10 +125,12 @@ def prefix_cache_mode(requested: str | None, config) -> str:
     return "off" if config.memory == "vq" else DEFAULT_MODE
 
 
-def load_engine(options: LoadOptions, slots: int, hosts=None):
+def load_engine(options: LoadOptions, slots: int, hosts=None, timeline: StartupTimeline | None = None):
     """Model from the store (pulling the default one if absent) onto the mesh → Engine. With `hosts`
     (a multi-host HostGroup) the mesh spans all hosts and each reads only its own shards. Wrapped in a
-    SpeculativeEngine with `--speculative ngram`."""
+    SpeculativeEngine with `--speculative ngram`. `timeline` (serve's start-up record) times the load
+    and the engine's build (weight packing, KV allocation) apart."""
+    phase = timeline.phase if timeline else lambda _: contextlib.nullcontext()
     store, name = ModelStore(), options.model
     if name == DEFAULT_MODEL and not store.exists(name):
         pull(name, store)
@@ -135,10 +139,21 @@ def load_engine(options: LoadOptions, slots: int, hosts=None):
     mesh = hosts.mesh(options.mesh, config) if hosts else parse_mesh(options.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
-    params = store.params(name, param_shardings(param_shapes(config), mesh, config), weights)
+    with phase("load"):
+        params = jax.block_until_ready(store.params(name, param_shardings(param_shapes(config), mesh, config), weights))
+    if timeline:
+        timeline.stored_weights_bytes = tree_bytes(params)
     kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
     if hosts and options.kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
         raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
+    with phase("pack"):
+        engine = _build_engine(options, slots, config, kernels, params, mesh)
+    return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
+
+
+def _build_engine(options: LoadOptions, slots: int, config, kernels, params, mesh) -> Engine:
+    """The Engine, its params packed and its memory allocated (waited for: the start-up timeline's
+    "pack" is this work, not whatever later call would otherwise block on it)."""
     engine = Engine(
         build_model(config, kernels, None if options.layers == "auto" else options.layers),
         params,
@@ -155,7 +170,8 @@ def load_engine(options: LoadOptions, slots: int, hosts=None):
         ),
         mesh=mesh,
     )
-    return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
+    jax.block_until_ready((engine.params, engine.state))
+    return engine
 
 
 def load_runner(options: LoadOptions, slots: int, start: bool = True, max_queue: int = 64):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine
+from hkserve.cli.startup import StartupTimeline
 from hkserve.engine.runner import InferenceRunner
 from hkserve.multihost.control import Follower, Leader
 from hkserve.multihost.hosts import HostFlags, HostGroup, LeaderEngine, exit_lost, follow
@@ -174,12 +176,13 @@ def _log_to_stderr() -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     _log_to_stderr()
+    timeline = StartupTimeline()
     options = ServeOptions.from_args(args)
     hosts = HostGroup.from_flags(options.hosts)
     listener = None if hosts and hosts.host_id else bind_socket(options.host, options.port)
     if hosts:
         hosts.initialize()
-    engine = load_engine(options.load, options.slots, hosts)
+    engine = load_engine(options.load, options.slots, hosts, timeline)
     if hosts and hosts.host_id:
         return run_follower(engine, hosts)
     serving = types.SimpleNamespace(app=None, runner=None)  # what a lost host must fail, once it exists
@@ -204,7 +207,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     def warm_up():
         log.info("compiling prefill buckets and decode windows ...")
-        runner.start(warmup=True)
+        with timeline.phase("warmup"):
+            runner.start(warmup=True)
+        # The timeline before the ready line: whoever waits for "ready" finds it logged.
+        log.info("startup: %s", json.dumps(timeline.report(engine)))
         log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
 
     threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()

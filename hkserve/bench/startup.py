@@ -1,0 +1,141 @@
+"""`hkserve bench startup`: how long `hkserve serve` takes from its launch to /health 200, and what it holds
+then, cold (an empty compile cache) and warm (the cache the cold start filled), per weight variant.
+
+The split comes from the server's own `startup: {json}` log line (cli/startup.py): model load, weight
+packing (with the KV allocation), compiles (programs compiled here vs loaded from the cache), warm-up
+runs and the rest (imports, tokenizer, HTTP app; "other"). Its resident memory is read from /proc here
+as well, with the server's breakdown (served params, KV memory, other JAX arrays, not arrays).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from hkserve.bench.soak import process_stats
+
+STARTUP_LINE = "startup: "
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--weights", default="f32,int8", help="comma list of weight variants, each started cold then warm")
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--serve-args", default="", help='more of serve\'s flags, e.g. "--kv-layout paged"')
+    p.add_argument("--warm-starts", type=int, default=1, help="warm starts after each cold one")
+    p.add_argument("--ready-within", type=float, default=1800, help="seconds a start may take before it fails")
+    p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:  # not listening yet, or reset while uvicorn starts
+        return False
+    finally:
+        conn.close()
+
+
+def _lines(stream) -> queue.SimpleQueue:
+    """The server's log lines as they come (a reader thread keeps its pipe drained)."""
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read():
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _startup_record(lines: queue.SimpleQueue, within: float) -> dict:
+    """The server's start-up record: its `startup: {json}` line (logged as /health turns 200)."""
+    deadline = time.monotonic() + within
+    while True:
+        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        if line is None:
+            raise RuntimeError("the server exited before logging its start-up record")
+        if STARTUP_LINE in line:
+            return json.loads(line.split(STARTUP_LINE, 1)[1])
+
+
+def start_once(args, weights: str, cache: str) -> dict:
+    """One start of `serve` with this compile cache: seconds to /health 200 seen from here, the server's
+    split and memory, and its VmRSS then."""
+    port = _port()
+    cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", args.model, "--port", str(port)]
+    cmd += ["--slots", str(args.slots), "--max-len", str(args.max_len), "--weights", weights]
+    cmd += shlex.split(args.serve_args)
+    env = {**os.environ, "HKSERVE_COMPILE_CACHE": cache}
+    launched = time.perf_counter()
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _lines(server.stderr)
+        deadline = launched + args.ready_within
+        while not _healthy(port):
+            if server.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError(f"serve --weights {weights} was not ready (exit code {server.poll()})")
+            time.sleep(0.05)
+        ready_s = time.perf_counter() - launched
+        record = _startup_record(lines, within=60)
+        record["ready_s_client"] = round(ready_s, 3)
+        record["rss_mib_client"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        return record
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _summary(weights: str, start: str, r: dict) -> str:
+    s, c, m = r["seconds"], r["compiles"], r["memory"]
+    mib = {k: round(v / 2**20) for k, v in m.items()}
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in s.items())
+    return (
+        f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}); programs {c['programs']}, "
+        f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB "
+        f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
+        f"not arrays {mib['not_arrays']})"
+    )
+
+
+def run(args) -> int:
+    runs = []
+    for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
+        cache = tempfile.mkdtemp(prefix="hkserve-startup-cache-")  # empty: the first start is cold
+        try:
+            for n in range(1 + args.warm_starts):
+                start = "warm" if n else "cold"
+                record = start_once(args, weights, cache)
+                runs.append({"weights": weights, "start": start, **record})
+                print(_summary(weights, start, record), flush=True)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    if args.json:
+        setup = {"model": args.model, "slots": args.slots, "max_len": args.max_len, "serve_args": args.serve_args}
+        print(json.dumps({**setup, "runs": runs}))
+    return 0
