@@ -19,9 +19,12 @@ from http_helpers import FakeRunner, LiveServer
 from hkserve.api.app import create_app
 from hkserve.bench.arrivals import arrivals
 from hkserve.bench.serve import _median, http_phase, measure
+from hkserve.bench.serve_runner import KVOptions
 from hkserve.bench.watch import Figures, Sample, parse, watch
 from hkserve.bench.workload import CHAT_SEED, chat_jobs, chat_lengths, long_job
 from hkserve.checkpoint.store import ModelStore
+from hkserve.cli.main import build_parser
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE
 
 
 def test_bench_engine_json_on_tiny_model(tmp_path):
@@ -125,6 +128,18 @@ def test_chat_lengths_are_clipped_to_the_context():
         chat_lengths(1, 1)
     assert len(long_job([5], 1 << 16).ids) == 4096 and long_job([5], 1 << 16).max_tokens == 16
     assert len(long_job([5], 1024).ids) == 1024 - 16  # the ~4k prompt, clipped to what the context allows
+
+
+def test_bench_serve_flags_reach_the_server_it_starts():
+    bench = build_parser().parse_args(["bench", "serve", "--kv-layout", "paged", "--kv-cache-mb", "256"])
+    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size)
+    serve = build_parser().parse_args(["serve", *kv.flags()])
+    assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("paged", 256.0, DEFAULT_BLOCK_SIZE)
+    serve = build_parser().parse_args(["serve", *KVOptions("static", None, 16).flags()])
+    assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("static", None, 16)
+    for wrong in (["--long-prompt-every", "0"], ["--long-prompt-every", "x"], ["--lengths", "long"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serve", *wrong])
 
 
 # --long-prompt-every's schedule (bench/arrivals.py), on an injected clock
