@@ -18,7 +18,7 @@ from http_helpers import FakeRunner, LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.bench.arrivals import arrivals
-from hkserve.bench.serve import _median, http_phase, measure
+from hkserve.bench.serve import _median, http_phase, measure, server_slots
 from hkserve.bench.serve_runner import KVOptions
 from hkserve.bench.watch import Figures, Sample, parse, watch
 from hkserve.bench.workload import CHAT_SEED, chat_jobs, chat_lengths, long_job
@@ -137,6 +137,8 @@ def test_bench_serve_flags_reach_the_server_it_starts():
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("paged", 256.0, DEFAULT_BLOCK_SIZE)
     serve = build_parser().parse_args(["serve", *KVOptions("static", None, 16).flags()])
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("static", None, 16)
+    assert server_slots("static", 16, [16, 64]) == 64  # as before: no client queues
+    assert server_slots("paged", 16, [16, 64]) == 16  # the 64 clients on 16 rows of one pool
     for wrong in (["--long-prompt-every", "0"], ["--long-prompt-every", "x"], ["--lengths", "long"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "serve", *wrong])

@@ -67,7 +67,12 @@ def add_arguments(p) -> None:
         help="a 4096-token prompt (at most --max-len - 16) arrives every S seconds beside the measured clients, "
         "its own tokens not counted",
     )
-    p.add_argument("--slots", type=int, default=16)
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=16,
+        help="the server's slots; static layout: raised to the largest --concurrency (paged: as given)",
+    )
     p.add_argument("--max-len", type=int, default=2048, help="context length (fewer programs to compile when small)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per concurrency; medians are reported")
     p.add_argument("--prefill-rows", type=int, default=4, help="the server's and runner's batched prefill rows")
@@ -222,6 +227,12 @@ def _line(name: str, c: int, r: dict) -> str:
     )
 
 
+def server_slots(layout: str, slots: int, levels: list[int]) -> int:
+    """The server's slots. Static: raised to the most clients, so none queues (as before); paged: as
+    given, the most rows decoded together, so more clients than slots measure admission by free blocks."""
+    return slots if layout == "paged" else max(slots, max(levels))
+
+
 def _workload(args, levels: list[int]) -> tuple[list[Job], Job | None]:
     """(the measured requests' jobs, the long prompt's job or None) of --lengths and --long-prompt-every."""
     from hkserve.bench.serve_runner import prompt_ids
@@ -306,7 +317,7 @@ def run(args) -> int:
         print("--kv-cache-mb sizes the paged pool: use it with --kv-layout paged", file=sys.stderr)
         return 2
     levels = [int(x) for x in args.concurrency.split(",")]
-    slots, max_queue = max(args.slots, max(levels)), 4 * max(levels) + 8
+    slots, max_queue = server_slots(args.kv_layout, args.slots, levels), 4 * max(levels) + 8
     jobs, long = _workload(args, levels)
     kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size)
     with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=kv.flags()) as (url, _):
