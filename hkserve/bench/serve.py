@@ -164,7 +164,13 @@ def _one_request(client, url: str, model: str, job: Job, seed: int) -> dict:
 
 
 def http_phase(
-    url: str, model: str, concurrency: int, requests: int, jobs: list[Job], long: Job | None = None, every=None
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    jobs: list[Job],
+    long: Job | None = None,
+    every: float | None = None,
 ) -> dict:
     """`concurrency` streaming clients send `requests` (request i: jobs[i % len(jobs)], seed i), with
     `long` every `every` seconds beside them → summarize's figures. One client object for the phase,
@@ -172,7 +178,8 @@ def http_phase(
     context), which 16 clients starting at once took from the server's first prefill and counted as TTFT."""
     import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
 
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    # no cap on connections: long prompts in flight together each get one at once, as open-loop arrivals
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency + 1)
     with httpx.Client(timeout=600, limits=limits) as client:
         return measure(
             lambda: run_clients(
