@@ -215,6 +215,9 @@ def test_metrics_text_gives_running_and_preemptions_only_when_exported():
     assert parse(EXPOSITION.format(preemptions="7.0")) == Sample(3, 7.0)
     no_counter = "\n".join(line for line in EXPOSITION.splitlines() if "preemptions" not in line) + "\n"
     assert parse(no_counter) == Sample(3, None)  # absent: None, never a made-up 0
+    by_reason = EXPOSITION.format(preemptions="2.0").replace("_total 2.0", '_total{reason="blocks"} 2.0')
+    by_reason += 'hkserve_preemptions_total{reason="other"} 3.0\n'
+    assert parse(by_reason) == Sample(3, 5.0)  # a labelled counter: all its series
     with pytest.raises(ValueError, match="hkserve_requests_running"):
         parse("# TYPE other gauge\nother 1.0\n")
 

@@ -33,8 +33,12 @@ class Figures(NamedTuple):
 
 
 def parse(text: str) -> Sample:
-    """A Prometheus text exposition's running requests and preemptions counter."""
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    """A Prometheus text exposition's running requests and preemptions counter (summed over its labels,
+    should it have any)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     if RUNNING not in values:
         raise ValueError(f"the server's /metrics has no {RUNNING}")
     return Sample(int(values[RUNNING]), values.get(PREEMPTIONS))
