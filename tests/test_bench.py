@@ -18,10 +18,10 @@ from http_helpers import FakeRunner, LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.bench.arrivals import arrivals
-from hkserve.bench.serve import _median, http_phase, measure, server_slots
+from hkserve.bench.serve import _median, http_phase, measure, server_flags, server_slots
 from hkserve.bench.serve_runner import KVOptions
 from hkserve.bench.watch import Figures, Sample, parse, watch
-from hkserve.bench.workload import CHAT_SEED, chat_jobs, chat_lengths, long_job
+from hkserve.bench.workload import CHAT_SEED, LongPrompts, chat_jobs, chat_lengths
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.main import build_parser
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE
@@ -126,15 +126,23 @@ def test_chat_lengths_are_clipped_to_the_context():
     assert chat_lengths(5, 2) == [(1, 1)] * 5
     with pytest.raises(ValueError, match="--max-len"):
         chat_lengths(1, 1)
-    assert len(long_job([5], 1 << 16).ids) == 4096 and long_job([5], 1 << 16).max_tokens == 16
-    assert len(long_job([5], 1024).ids) == 1024 - 16  # the ~4k prompt, clipped to what the context allows
+    long = LongPrompts([5, 6, 7], 1 << 16)
+    first, second = long(), long()
+    assert len(first.ids) == len(second.ids) == long.length == 4096 and first.max_tokens == 16
+    assert first.ids[:32] != second.ids[:32]  # each arrival a new prompt: no prefix-cache hit, a real prefill
+    assert LongPrompts([5], 1024)().ids == [5] * (1024 - 16)  # the ~4k prompt, clipped to what the context allows
+    with pytest.raises(ValueError, match="--max-len"):
+        LongPrompts([5], 16)
 
 
 def test_bench_serve_flags_reach_the_server_it_starts():
     bench = build_parser().parse_args(["bench", "serve", "--kv-layout", "paged", "--kv-cache-mb", "256"])
     kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size)
-    serve = build_parser().parse_args(["serve", *kv.flags()])
+    serve = build_parser().parse_args(["serve", *server_flags(kv, bench.lengths)])
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("paged", 256.0, DEFAULT_BLOCK_SIZE)
+    assert serve.prefix_cache is None  # fixed lengths: the server's default, as before
+    serve = build_parser().parse_args(["serve", *server_flags(kv, "chat")])
+    assert serve.prefix_cache == "off"  # chat: like the in-process runner, no repeat served from the cache
     serve = build_parser().parse_args(["serve", *KVOptions("static", None, 16).flags()])
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("static", None, 16)
     assert server_slots("static", 16, [16, 64]) == 64  # as before: no client queues

@@ -31,7 +31,7 @@ import numpy as np
 from hkserve.bench.arrivals import long_prompts
 from hkserve.bench.clients import run_clients
 from hkserve.bench.watch import Figures, Sample, Watcher, scrape
-from hkserve.bench.workload import PROMPTS, Job, chat_jobs, distribution, fixed_jobs, long_job
+from hkserve.bench.workload import PROMPTS, Job, LongPrompts, chat_jobs, distribution, fixed_jobs
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 
 LONG_SEED = 10_000  # the k-th long prompt's sampling seed is LONG_SEED + k
@@ -169,11 +169,11 @@ def http_phase(
     concurrency: int,
     requests: int,
     jobs: list[Job],
-    long: Job | None = None,
+    long: LongPrompts | None = None,
     every: float | None = None,
 ) -> dict:
     """`concurrency` streaming clients send `requests` (request i: jobs[i % len(jobs)], seed i), with
-    `long` every `every` seconds beside them → summarize's figures. One client object for the phase,
+    a new `long()` every `every` seconds beside them → summarize's figures. One client object for the phase,
     as an OpenAI SDK client holds one: a fresh `httpx.Client` per request costs ~35 ms of CPU (its SSL
     context), which 16 clients starting at once took from the server's first prefill and counted as TTFT."""
     import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
@@ -187,7 +187,7 @@ def http_phase(
             ),
             lambda: scrape(url),
             every,
-            lambda k: _one_request(client, url, model, long, seed=LONG_SEED + k),
+            lambda k: _one_request(client, url, model, long(), seed=LONG_SEED + k),
         )
 
 
@@ -240,8 +240,15 @@ def server_slots(layout: str, slots: int, levels: list[int]) -> int:
     return slots if layout == "paged" else max(slots, max(levels))
 
 
-def _workload(args, levels: list[int]) -> tuple[list[Job], Job | None]:
-    """(the measured requests' jobs, the long prompt's job or None) of --lengths and --long-prompt-every."""
+def server_flags(kv, lengths: str) -> tuple[str, ...]:
+    """serve's flags for the KV memory (`kv`: serve_runner.KVOptions) and, with chat lengths, the prefix
+    cache off: those prompts share no prefix, but each repeat and level sends them again, which the
+    server's cache (on by default) would answer from memory while the in-process runner (off) prefills."""
+    return kv.flags() + (("--prefix-cache", "off") if lengths == "chat" else ())
+
+
+def _workload(args, levels: list[int]) -> tuple[list[Job], LongPrompts | None]:
+    """(the measured requests' jobs, the long prompts or None) of --lengths and --long-prompt-every."""
     from hkserve.bench.serve_runner import prompt_ids
 
     ids = prompt_ids(args.model, PROMPTS)
@@ -250,10 +257,10 @@ def _workload(args, levels: list[int]) -> tuple[list[Job], Job | None]:
         jobs = chat_jobs(max(args.requests or max(4, 3 * c) for c in levels), vocabulary, args.max_len)
     else:
         jobs = fixed_jobs(ids, args.max_tokens)
-    return jobs, long_job(vocabulary, args.max_len) if args.long_prompt_every else None
+    return jobs, LongPrompts(vocabulary, args.max_len) if args.long_prompt_every else None
 
 
-def _sides(args, url: str, runners: dict, jobs: list[Job], long: Job | None) -> dict:
+def _sides(args, url: str, runners: dict, jobs: list[Job], long: LongPrompts | None) -> dict:
     """side name → phase(concurrency, requests) → its figures: "http" and each in-process runner."""
     from hkserve.bench.serve_runner import one, runner_phase
 
@@ -264,7 +271,7 @@ def _sides(args, url: str, runners: dict, jobs: list[Job], long: Job | None) -> 
             lambda: runner_phase(runner, jobs, c, n),
             lambda: Sample(runner.stats().running, None),  # the runner counts no preemptions
             every,
-            lambda k: one(runner, long, LONG_SEED + k),
+            lambda k: one(runner, long(), LONG_SEED + k),
         )
 
     sides = {"http": lambda c, n: http_phase(url, args.model, c, n, jobs, long, every)}
@@ -299,7 +306,7 @@ def _ratios(args, levels: list[int], report: dict) -> dict:
     return ratios
 
 
-def _settings(args, slots: int, long: Job | None) -> dict:
+def _settings(args, slots: int, long: LongPrompts | None) -> dict:
     return {
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
@@ -312,7 +319,7 @@ def _settings(args, slots: int, long: Job | None) -> dict:
         "lengths": args.lengths,
         "chat_distribution": distribution() if args.lengths == "chat" else None,
         "long_prompt_every_s": args.long_prompt_every,
-        "long_prompt_tokens": len(long.ids) if long else None,
+        "long_prompt_tokens": long.length if long else None,
         "cpus": os.cpu_count(),
     }
 
@@ -327,13 +334,14 @@ def run(args) -> int:
     slots, max_queue = server_slots(args.kv_layout, args.slots, levels), 4 * max(levels) + 8
     jobs, long = _workload(args, levels)
     kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size)
-    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=kv.flags()) as (url, _):
-        http_phase(url, args.model, 1, 2, [*jobs[:1], long] if long else jobs)  # warm the HTTP path
+    extra = server_flags(kv, args.lengths)
+    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=extra) as (url, _):
+        http_phase(url, args.model, 1, 2, [*jobs[:1], long()] if long else jobs)  # warm the HTTP path
         print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
         runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len, kv)}
         if args.compare_prefill_rows:
             runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0, args.max_len, kv)
-        warm = [jobs[i % len(jobs)] for i in range(max(levels))] + ([long] if long else [])
+        warm = [jobs[i % len(jobs)] for i in range(max(levels))] + ([long()] if long else [])
         try:
             for runner in runners.values():  # untimed: compiles what the workload uses
                 runner_phase(runner, warm, max(levels), len(warm))

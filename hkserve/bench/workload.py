@@ -13,6 +13,7 @@ and no two prompts share a prefix the prefix cache could reuse.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -67,14 +68,22 @@ def chat_jobs(n: int, vocabulary: list[int], max_len: int, seed: int = CHAT_SEED
     return jobs
 
 
-def long_job(vocabulary: list[int], max_len: int, seed: int = CHAT_SEED) -> Job:
-    """--long-prompt-every's request: LONG_PROMPT_TOKENS of prompt, clipped to what max_len leaves after
-    its LONG_REPLY_TOKENS-token reply."""
-    length = min(LONG_PROMPT_TOKENS, max_len - LONG_REPLY_TOKENS)
-    if length < 1:
-        raise ValueError(f"--long-prompt-every needs --max-len above {LONG_REPLY_TOKENS}, got {max_len}")
-    ids = [int(t) for t in np.random.default_rng(seed + 2).choice(vocabulary, length)]
-    return Job(ids, ids, LONG_REPLY_TOKENS)
+class LongPrompts:
+    """--long-prompt-every's requests: each call a new prompt of `length` = LONG_PROMPT_TOKENS tokens,
+    clipped to what max_len leaves after its LONG_REPLY_TOKENS-token reply. Each is drawn afresh (seeded
+    by its number), so none is a prefix-cache hit of an earlier one: every arrival costs its prefill."""
+
+    def __init__(self, vocabulary: list[int], max_len: int, seed: int = CHAT_SEED):
+        self.length = min(LONG_PROMPT_TOKENS, max_len - LONG_REPLY_TOKENS)
+        if self.length < 1:
+            raise ValueError(f"--long-prompt-every needs --max-len above {LONG_REPLY_TOKENS}, got {max_len}")
+        self.vocabulary, self.seed = vocabulary, seed
+        self._numbers = itertools.count()  # next() is atomic under the GIL: arrivals come from threads
+
+    def __call__(self) -> Job:
+        rng = np.random.default_rng((self.seed + 2, next(self._numbers)))
+        ids = [int(t) for t in rng.choice(self.vocabulary, self.length)]
+        return Job(ids, ids, LONG_REPLY_TOKENS)
 
 
 def distribution() -> dict:
