@@ -1,11 +1,14 @@
 """`hkserve bench serve`: start the real server, drive it over HTTP with concurrent streaming clients,
-report TTFT, inter-token latency and output tokens/s per concurrency; beside them, the same workload
+report TTFT, inter-token latency and output tokens/s per concurrency, with the most requests running
+at once and the preemptions the server counted (bench/watch.py); beside them, the same workload
 submitted to an in-process InferenceRunner (bench/serve_runner.py), so the HTTP layer's cost is a
 same-run ratio. Each figure is the median of --repeats runs, the sides alternating order; with
 --compare-prefill-rows, also a runner prefilling one prompt per call (batched prefill's effect).
 
-Every request generates exactly --max-tokens (`ignore_eos`), so figures compare with the engine
-benchmark's fixed-length decode.
+Every request generates exactly its reply length (`ignore_eos`): --max-tokens with --lengths fixed,
+so figures compare with the engine benchmark's fixed-length decode, or drawn from a chat-like
+distribution with --lengths chat (bench/workload.py). With --long-prompt-every S, a long prompt
+arrives every S seconds beside the measured clients (bench/arrivals.py), its tokens not counted.
 
 The clients are threads with their own HTTP connections, in this process; the server is a separate
 process, as in deployment, so client overhead does not steal the engine's interpreter.
@@ -13,6 +16,7 @@ process, as in deployment, so client overhead does not steal the engine's interp
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -24,23 +28,51 @@ import time
 
 import numpy as np
 
+from hkserve.bench.arrivals import long_prompts
 from hkserve.bench.clients import run_clients
-from hkserve.engine.kv_layout import DEFAULT_LAYOUT, LAYOUTS
+from hkserve.bench.watch import Figures, Sample, Watcher, scrape
+from hkserve.bench.workload import PROMPTS, Job, LongPrompts, chat_jobs, distribution, fixed_jobs
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 
-PROMPTS = [
-    "Once upon a time, in a small village,",
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle works.",
-    "The history of the printing press begins",
-]
+LONG_SEED = 10_000  # the k-th long prompt's sampling seed is LONG_SEED + k
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--concurrency", default="1,8,16", help="comma list of simultaneous streaming clients")
     p.add_argument("--requests", type=int, default=0, help="requests per concurrency (default: 3 x concurrency, >= 4)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64, help="--lengths fixed: every reply's length")
+    p.add_argument(
+        "--lengths",
+        choices=("fixed", "chat"),
+        default="fixed",
+        help="fixed: four short text prompts, --max-tokens replies; chat: prompt and reply lengths from a fixed-seed "
+        "chat-like lognormal distribution with long tails, clipped to --max-len (docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--long-prompt-every",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="a 4096-token prompt (at most --max-len - 16) arrives every S seconds beside the measured clients, "
+        "its own tokens not counted",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=16,
+        help="the server's slots; static layout: raised to the largest --concurrency (paged: as given)",
+    )
     p.add_argument("--max-len", type=int, default=2048, help="context length (fewer programs to compile when small)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per concurrency; medians are reported")
     p.add_argument("--prefill-rows", type=int, default=4, help="the server's and runner's batched prefill rows")
@@ -49,8 +81,9 @@ def add_arguments(p) -> None:
         action="store_true",
         help="also measure an in-process runner with --prefill-rows 0 (one prompt per prefill call)",
     )
-    p.add_argument("--kv-layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="the server's KV layout")
-    p.add_argument("--kv-cache-mb", type=float, default=None, help="the server's paged KV pool (MiB)")
+    p.add_argument("--kv-layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="the server's and runner's KV layout")
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="paged: the server's and runner's KV pool (MiB)")
+    p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged: tokens per KV block")
     p.add_argument("--json", action="store_true")
 
 
@@ -104,11 +137,11 @@ def serving(
         server.wait(60)
 
 
-def _one_request(client, url: str, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
+def _one_request(client, url: str, model: str, job: Job, seed: int) -> dict:
     body = {
         "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
         "temperature": 0.8,
         "seed": seed,
         "stream": True,
@@ -130,23 +163,44 @@ def _one_request(client, url: str, model: str, prompt: str, max_tokens: int, see
     return {"ttft": arrivals[0] - start if arrivals else float("nan"), "itl": list(np.diff(arrivals)), "tokens": tokens}
 
 
-def _phase(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """One client object for the phase, as an OpenAI SDK client holds one: a fresh `httpx.Client` per
-    request costs ~35 ms of CPU (its SSL context), which 16 clients starting at once took from the
-    server's first prefill and counted as TTFT."""
+def http_phase(
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    jobs: list[Job],
+    long: LongPrompts | None = None,
+    every: float | None = None,
+) -> dict:
+    """`concurrency` streaming clients send `requests` (request i: jobs[i % len(jobs)], seed i), with
+    a new `long()` every `every` seconds beside them → summarize's figures. One client object for the phase,
+    as an OpenAI SDK client holds one: a fresh `httpx.Client` per request costs ~35 ms of CPU (its SSL
+    context), which 16 clients starting at once took from the server's first prefill and counted as TTFT."""
     import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # no cap on connections: long prompts in flight together each get one at once, as open-loop arrivals
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency + 1)
     with httpx.Client(timeout=600, limits=limits) as client:
-        results, wall = run_clients(
-            concurrency,
-            requests,
-            lambda i: _one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, seed=i),
+        return measure(
+            lambda: run_clients(
+                concurrency, requests, lambda i: _one_request(client, url, model, jobs[i % len(jobs)], seed=i)
+            ),
+            lambda: scrape(url),
+            every,
+            lambda k: _one_request(client, url, model, long(), seed=LONG_SEED + k),
         )
-    return summarize(results, wall)
 
 
-def summarize(results: list[dict], wall: float) -> dict:
+def measure(clients, read, every: float | None, long_one) -> dict:
+    """clients() → (results, wall) while a Watcher samples read() and long_one(k) arrives every `every`
+    seconds → summarize's figures."""
+    with Watcher(read) as watcher, long_prompts(every, long_one) as longs:
+        results, wall = clients()
+    return summarize(results, wall, watcher.figures, longs)
+
+
+def summarize(results: list[dict], wall: float, figures: Figures, longs: list[dict] = ()) -> dict:
+    """The measured clients' figures (the long prompts' `longs` only counted, never mixed in)."""
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]] or [float("nan")]
     return {
@@ -155,12 +209,19 @@ def summarize(results: list[dict], wall: float) -> dict:
         "itl_p50_ms": float(np.percentile(itl, 50)),
         "itl_p99_ms": float(np.percentile(itl, 99)),
         "out_tok_s": sum(r["tokens"] for r in results) / wall,
+        "peak_running": figures.peak_running,
+        "preemptions": figures.preemptions,
+        "long_prompts": len(longs),
     }
 
 
 def _median(runs: list[dict]) -> dict:
-    """Each figure's median over the runs, with out_tok_s and ttft_p50_ms's spread (min, max)."""
-    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    """Each figure's median over the runs (None where a run has none), with out_tok_s and ttft_p50_ms's
+    spread (min, max)."""
+    out = {}
+    for k in runs[0]:
+        values = [r[k] for r in runs]
+        out[k] = None if None in values else float(np.median(values))
     for k in ("out_tok_s", "ttft_p50_ms"):
         out[k + "_spread"] = [min(r[k] for r in runs), max(r[k] for r in runs)]
     return out
@@ -173,53 +234,80 @@ def _line(name: str, c: int, r: dict) -> str:
     )
 
 
-def run(args) -> int:
-    from hkserve.bench.serve_runner import prompt_ids, runner_phase, start_runner
+def server_slots(layout: str, slots: int, levels: list[int]) -> int:
+    """The server's slots. Static: raised to the most clients, so none queues (as before); paged: as
+    given, the most rows decoded together, so more clients than slots measure admission by free blocks."""
+    return slots if layout == "paged" else max(slots, max(levels))
 
-    levels = [int(x) for x in args.concurrency.split(",")]
-    slots, max_queue = max(args.slots, max(levels)), 4 * max(levels) + 8
-    kv = ["--kv-layout", args.kv_layout] + (["--kv-cache-mb", str(args.kv_cache_mb)] if args.kv_cache_mb else [])
-    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=tuple(kv)) as (url, _):
-        _phase(url, args.model, 1, 2, args.max_tokens)  # warm the HTTP path
-        print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
-        runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len)}
-        if args.compare_prefill_rows:
-            runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0, args.max_len)
-        ids = prompt_ids(args.model, PROMPTS)
-        for runner in runners.values():  # untimed: compiles what the workload uses
-            runner_phase(runner, ids, max(levels), max(levels), args.max_tokens)
-        report: dict = {name: {} for name in runners}
-        try:
-            for c in levels:
-                n = args.requests or max(4, 3 * c)
-                sides: dict[str, list] = {"http": [], **{name: [] for name in runners}}
-                for repeat in range(args.repeats):
-                    for side in list(sides)[:: -1 if repeat % 2 else 1]:  # alternate the order
-                        if side == "http":
-                            sides[side].append(_phase(url, args.model, c, n, args.max_tokens))
-                        else:
-                            sides[side].append(summarize(*runner_phase(runners[side], ids, c, n, args.max_tokens)))
-                report[str(c)] = _median(sides.pop("http"))
-                print(_line("http", c, report[str(c)]), flush=True)
-                for name, runs in sides.items():
-                    report[name][str(c)] = _median(runs)
-                    print(_line(name, c, report[name][str(c)]), flush=True)
-        finally:
-            for runner in runners.values():
-                runner.stop()
-    report["ratios"] = {
+
+def server_flags(kv, lengths: str) -> tuple[str, ...]:
+    """serve's flags for the KV memory (`kv`: serve_runner.KVOptions) and, with chat lengths, the prefix
+    cache off: those prompts share no prefix, but each repeat and level sends them again, which the
+    server's cache (on by default) would answer from memory while the in-process runner (off) prefills."""
+    return kv.flags() + (("--prefix-cache", "off") if lengths == "chat" else ())
+
+
+def _workload(args, levels: list[int]) -> tuple[list[Job], LongPrompts | None]:
+    """(the measured requests' jobs, the long prompts or None) of --lengths and --long-prompt-every."""
+    from hkserve.bench.serve_runner import prompt_ids
+
+    ids = prompt_ids(args.model, PROMPTS)
+    vocabulary = sorted({t for prompt in ids for t in prompt})
+    if args.lengths == "chat":
+        jobs = chat_jobs(max(args.requests or max(4, 3 * c) for c in levels), vocabulary, args.max_len)
+    else:
+        jobs = fixed_jobs(ids, args.max_tokens)
+    return jobs, LongPrompts(vocabulary, args.max_len) if args.long_prompt_every else None
+
+
+def _sides(args, url: str, runners: dict, jobs: list[Job], long: LongPrompts | None) -> dict:
+    """side name → phase(concurrency, requests) → its figures: "http" and each in-process runner."""
+    from hkserve.bench.serve_runner import one, runner_phase
+
+    every = args.long_prompt_every
+
+    def runner_side(runner):
+        return lambda c, n: measure(
+            lambda: runner_phase(runner, jobs, c, n),
+            lambda: Sample(runner.stats().running, None),  # the runner counts no preemptions
+            every,
+            lambda k: one(runner, long(), LONG_SEED + k),
+        )
+
+    sides = {"http": lambda c, n: http_phase(url, args.model, c, n, jobs, long, every)}
+    return sides | {name: runner_side(runner) for name, runner in runners.items()}
+
+
+def _measure(args, levels: list[int], sides: dict) -> dict:
+    """Per concurrency, each side's medians over --repeats runs, the sides' order alternating: the HTTP
+    side's at report[str(c)], a runner's at report[name][str(c)]."""
+    report: dict = {name: {} for name in sides if name != "http"}
+    for c in levels:
+        n = args.requests or max(4, 3 * c)
+        runs: dict[str, list] = {name: [] for name in sides}
+        for repeat in range(args.repeats):
+            for name in list(sides)[:: -1 if repeat % 2 else 1]:
+                runs[name].append(sides[name](c, n))
+        for name, figures in runs.items():
+            (report if name == "http" else report[name])[str(c)] = _median(figures)
+            print(_line(name, c, _median(figures)), flush=True)
+    return report
+
+
+def _ratios(args, levels: list[int], report: dict) -> dict:
+    ratios = {
         f"http_over_runner_out_tok_s_{c}": report[str(c)]["out_tok_s"] / report["runner"][str(c)]["out_tok_s"]
         for c in levels
     }
     if args.compare_prefill_rows:
         for c in levels:
             before, after = report["runner_prefill_rows_0"][str(c)], report["runner"][str(c)]
-            report["ratios"][f"ttft_p50_rows_{args.prefill_rows}_over_rows_0_{c}"] = (
-                after["ttft_p50_ms"] / before["ttft_p50_ms"]
-            )
-    for key, value in report["ratios"].items():
-        print(f"{key}: {value:.3f}")
-    report["settings"] = {
+            ratios[f"ttft_p50_rows_{args.prefill_rows}_over_rows_0_{c}"] = after["ttft_p50_ms"] / before["ttft_p50_ms"]
+    return ratios
+
+
+def _settings(args, slots: int, long: LongPrompts | None) -> dict:
+    return {
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "slots": slots,
@@ -227,8 +315,44 @@ def run(args) -> int:
         "max_len": args.max_len,
         "kv_layout": args.kv_layout,
         "kv_cache_mb": args.kv_cache_mb,
+        "kv_block_size": args.kv_block_size,
+        "lengths": args.lengths,
+        "chat_distribution": distribution() if args.lengths == "chat" else None,
+        "long_prompt_every_s": args.long_prompt_every,
+        "long_prompt_tokens": long.length if long else None,
         "cpus": os.cpu_count(),
     }
+
+
+def run(args) -> int:
+    from hkserve.bench.serve_runner import KVOptions, runner_phase, start_runner
+
+    if args.kv_cache_mb is not None and args.kv_layout != "paged":
+        print("--kv-cache-mb sizes the paged pool: use it with --kv-layout paged", file=sys.stderr)
+        return 2
+    levels = [int(x) for x in args.concurrency.split(",")]
+    slots, max_queue = server_slots(args.kv_layout, args.slots, levels), 4 * max(levels) + 8
+    jobs, long = _workload(args, levels)
+    kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size)
+    extra = server_flags(kv, args.lengths)
+    with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=extra) as (url, _):
+        http_phase(url, args.model, 1, 2, [*jobs[:1], long()] if long else jobs)  # warm the HTTP path
+        print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
+        runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len, kv)}
+        if args.compare_prefill_rows:
+            runners["runner_prefill_rows_0"] = start_runner(args.model, slots, max_queue, 0, args.max_len, kv)
+        warm = [jobs[i % len(jobs)] for i in range(max(levels))] + ([long()] if long else [])
+        try:
+            for runner in runners.values():  # untimed: compiles what the workload uses
+                runner_phase(runner, warm, max(levels), len(warm))
+            report = _measure(args, levels, _sides(args, url, runners, jobs, long))
+        finally:
+            for runner in runners.values():
+                runner.stop()
+    report["ratios"] = _ratios(args, levels, report)
+    for key, value in report["ratios"].items():
+        print(f"{key}: {value:.3f}")
+    report["settings"] = _settings(args, slots, long)
     if args.json:
         print(json.dumps(report))
     return 0

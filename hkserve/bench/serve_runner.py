@@ -10,11 +10,13 @@ same workload measures batched prefill's effect on TTFT too.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from hkserve.bench.clients import run_clients
+from hkserve.bench.workload import Job
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -27,7 +29,22 @@ from hkserve.model.sampling import SamplingParams
 SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
 
 
-def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int, max_len: int) -> InferenceRunner:
+class KVOptions(NamedTuple):
+    """The KV memory of the server and of the in-process runners, the same for both."""
+
+    layout: str  # "static" | "paged" (engine/kv_layout.py)
+    cache_mb: float | None  # paged: the pool's MiB; None: its default
+    block_size: int  # paged: tokens per block
+
+    def flags(self) -> tuple[str, ...]:
+        """As `hkserve serve`'s flags."""
+        mb = ("--kv-cache-mb", str(self.cache_mb)) if self.cache_mb is not None else ()
+        return ("--kv-layout", self.layout, *mb, "--kv-block-size", str(self.block_size))
+
+
+def start_runner(
+    model: str, slots: int, max_queue: int, prefill_rows: int, max_len: int, kv: KVOptions
+) -> InferenceRunner:
     """A started runner over an engine built like `hkserve serve`'s, without its warm-up (the caller
     runs an untimed phase of the workload instead, which compiles only the programs it uses)."""
     store = ModelStore()
@@ -37,7 +54,15 @@ def start_runner(model: str, slots: int, max_queue: int, prefill_rows: int, max_
     engine = Engine(
         build_model(config),
         params,
-        EngineOptions(slots=slots, max_len=max_len, n_top=SERVE_N_TOP, prefill_rows=prefill_rows),
+        EngineOptions(
+            slots=slots,
+            max_len=max_len,
+            n_top=SERVE_N_TOP,
+            prefill_rows=prefill_rows,
+            kv_layout=kv.layout,
+            kv_cache_mb=kv.cache_mb,
+            block_size=kv.block_size,
+        ),
     )
     return InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
 
@@ -48,9 +73,9 @@ def prompt_ids(model: str, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(p) for p in prompts]
 
 
-def _one(runner: InferenceRunner, ids: list[int], max_tokens: int, seed: int) -> dict:
+def one(runner: InferenceRunner, job: Job, seed: int) -> dict:
     """One request as bench serve's HTTP client makes it: temperature 0.8, its seed, ignore_eos."""
-    request = Request(list(ids), max_tokens, SamplingParams(temperature=0.8, seed=seed))
+    request = Request(list(job.ids), job.max_tokens, SamplingParams(temperature=0.8, seed=seed))
     start = time.perf_counter()
     arrivals, tokens = [], 0
     for event in runner.submit(request):
@@ -62,7 +87,7 @@ def _one(runner: InferenceRunner, ids: list[int], max_tokens: int, seed: int) ->
     return {"ttft": arrivals[0] - start if arrivals else float("nan"), "itl": list(np.diff(arrivals)), "tokens": tokens}
 
 
-def runner_phase(runner: InferenceRunner, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int):
-    """`concurrency` client threads, `requests` in all (prompt i % len(prompts), seed i) → the
+def runner_phase(runner: InferenceRunner, jobs: list[Job], concurrency: int, requests: int):
+    """`concurrency` client threads, `requests` in all (request i: jobs[i % len(jobs)], seed i) → the
     per-request results and the wall time."""
-    return run_clients(concurrency, requests, lambda i: _one(runner, prompts[i % len(prompts)], max_tokens, seed=i))
+    return run_clients(concurrency, requests, lambda i: one(runner, jobs[i % len(jobs)], seed=i))
