@@ -108,6 +108,28 @@ def test_a_shared_block_outlives_the_slot_that_let_go_of_it():
     assert [replies(s) for s in (first, second, third)] == uncached([a, b, c])
 
 
+def test_a_prefix_reused_in_place_up_to_inside_a_shared_block_writes_a_copy_of_it():
+    """b shares a's two full blocks and ends; d, sharing a's first 20 tokens, reuses b's idle slot in
+    place, its prefix ending inside block 1, which a (still decoding, its sliding window on it) names:
+    d writes positions 20-31 into its own copy of that block (copy-on-write), so a's and d's replies
+    equal their uncached ones. Planted (no copy) a's reply changes."""
+    a, b = Request(PREFIX[:40] + [1], 40, GREEDY), Request(PREFIX[:40] + [2], 2, GREEDY)
+    d = Request(PREFIX[:20] + [9] * 12, 8, GREEDY)
+    runner = make_runner(slots=2)
+    first = submit(runner, a)
+    second = submit(runner, b)
+    b_slot = slot_of(runner, second)
+    finish(runner, [second])
+    assert not first.done
+    fourth = submit(runner, d)
+    assert fourth.cached_tokens == 20 and slot_of(runner, fourth) == b_slot
+    pool = runner.engine.kv_pool
+    a_row, d_row = pool.held[slot_of(runner, first)], pool.held[b_slot]
+    assert d_row[0] == a_row[0] and d_row[1] != a_row[1]
+    finish(runner, [first, fourth])
+    assert [replies(first), replies(second), replies(fourth)] == uncached([a, b, d])
+
+
 def test_eviction_frees_the_least_recently_used_idle_prefix_and_never_a_referenced_block():
     """x (older) and y (newer) end and keep their prefixes; r, still running, shares x's six full
     blocks. z needs all but 14 of the 24 blocks: evicting x's slot (its one private block; the six
