@@ -54,16 +54,22 @@ def replies(stream) -> list[int]:
     return [e.token.id for e in events if e.token is not None]
 
 
-def uncached(requests: list[Request]) -> list[list[int]]:
-    """Each request alone on the static layout without a prefix cache: the independent reference."""
+@pytest.fixture(scope="module")
+def uncached():
+    """Each request alone on the static layout without a prefix cache: the independent reference (one
+    engine for the module: nothing of one request stays for the next)."""
     runner = make_runner("static", "off")
-    out = []
-    for request in requests:
-        stream = runner.submit(request)
-        while not stream.done:
-            runner.iterate()
-        out.append(replies(stream))
-    return out
+
+    def replies_alone(requests: list[Request]) -> list[list[int]]:
+        out = []
+        for request in requests:
+            stream = runner.submit(request)
+            while not stream.done:
+                runner.iterate()
+            out.append(replies(stream))
+        return out
+
+    return replies_alone
 
 
 def slot_of(runner: InferenceRunner, stream) -> int:
@@ -71,7 +77,7 @@ def slot_of(runner: InferenceRunner, stream) -> int:
 
 
 @pytest.mark.parametrize("mode", ["on", "exact"])
-def test_two_requests_with_a_common_300_token_prefix_hold_its_blocks_once(mode):
+def test_two_requests_with_a_common_300_token_prefix_hold_its_blocks_once(mode, uncached):
     a = Request(PREFIX + [1, 2, 3], 24, GREEDY)
     b = Request(PREFIX + [4, 5], 24, GREEDY)
     runner = make_runner(prefix_cache=mode)
@@ -90,7 +96,7 @@ def test_two_requests_with_a_common_300_token_prefix_hold_its_blocks_once(mode):
     assert [replies(first), replies(second)] == uncached([a, b])
 
 
-def test_a_shared_block_outlives_the_slot_that_let_go_of_it():
+def test_a_shared_block_outlives_the_slot_that_let_go_of_it(uncached):
     """a and b share the prefix; a ends, and its slot (the only free one) takes c, an unrelated
     300-token prompt, while b still decodes: the blocks b names must not go to c. Planted (truncate
     freeing a block other rows still name) b's reply changes."""
@@ -108,7 +114,7 @@ def test_a_shared_block_outlives_the_slot_that_let_go_of_it():
     assert [replies(s) for s in (first, second, third)] == uncached([a, b, c])
 
 
-def test_a_prefix_reused_in_place_up_to_inside_a_shared_block_writes_a_copy_of_it():
+def test_a_prefix_reused_in_place_up_to_inside_a_shared_block_writes_a_copy_of_it(uncached):
     """b shares a's two full blocks and ends; d, sharing a's first 20 tokens, reuses b's idle slot in
     place, its prefix ending inside block 1, which a (still decoding, its sliding window on it) names:
     d writes positions 20-31 into its own copy of that block (copy-on-write), so a's and d's replies
@@ -130,7 +136,7 @@ def test_a_prefix_reused_in_place_up_to_inside_a_shared_block_writes_a_copy_of_i
     assert [replies(first), replies(second), replies(fourth)] == uncached([a, b, d])
 
 
-def test_eviction_frees_the_least_recently_used_idle_prefix_and_never_a_referenced_block():
+def test_eviction_frees_the_least_recently_used_idle_prefix_and_never_a_referenced_block(uncached):
     """x (older) and y (newer) end and keep their prefixes; r, still running, shares x's six full
     blocks. z needs all but 14 of the 24 blocks: evicting x's slot (its one private block; the six
     r names stay) is enough, so y's prefix stays cached, and r replies as uncached."""
