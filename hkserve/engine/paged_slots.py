@@ -58,19 +58,19 @@ class PagedSlots:
         """Slot `slot` starts afresh with `tokens` positions, the first reuse.length its source's: in
         place (kept), or another slot's full blocks shared by reference. The partial last block of
         the prefix is the slot's own (copy-on-write). Returns the source's table row [MB] before the
-        change, for the device copy of that block (`copy_prefix`); None under the static layout."""
+        change, for the device copy of that block (`copy_prefix`); None without a reuse or under the
+        static layout."""
         pool = self.kv_pool
         if pool is None:
             return None
-        start = reuse.length if reuse else 0
-        source_row = pool.table[reuse.source if reuse else slot].copy()
+        source_row = pool.table[reuse.source].copy() if reuse else None
         if reuse and reuse.source == slot:
-            pool.truncate(slot, start)
-            pool.unshare_tail(slot, start)
+            pool.truncate(slot, reuse.length)
+            pool.unshare_tail(slot, reuse.length)
         else:
             pool.drop(slot)
             if reuse:
-                pool.share(slot, reuse.source, start)
+                pool.share(slot, reuse.source, reuse.length)
         pool.grow(slot, tokens)
         return source_row
 
