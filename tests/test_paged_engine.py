@@ -1,6 +1,6 @@
 """The paged KV layout through Engine and InferenceRunner on tiny random models (issue 34, step 1):
 greedy and seeded outputs equal the static layout's, alone and among neighbours of random lengths
-(XLA gather and CPU kernel paths; prefix reuse copying blocks); a pool too small for a request's
+(XLA gather and CPU kernel paths; prefix reuse in place); a pool too small for a request's
 worst case queues it until blocks free; blocks freed while still in use change outputs (the block
 pool's invariants are checked after every pass)."""
 
@@ -90,7 +90,7 @@ def test_paged_outputs_equal_static_alone_and_among_16_neighbours(path):
 
 
 def test_prefix_reuse_copies_blocks_and_keeps_outputs():
-    """Prefix cache on: a second prompt sharing 40 tokens with a finished one takes its blocks' copy
+    """Prefix cache on: a second prompt sharing 40 tokens with a finished one reuses its blocks
     (cached_tokens > 0), and replies equal the static layout's; idle slots keep their blocks."""
     prefix = list(range(10, 50))
     first = Request(prefix + [1, 2], 8, SamplingParams(temperature=0.0))

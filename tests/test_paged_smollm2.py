@@ -1,7 +1,8 @@
 """The paged KV layout on the real default model (issue 34, step 1): the golden cases' greedy tokens on
 the paged layout equal the reference (the static layout's, test_smollm2.py), through XLA's gather and,
 with int8 weights, the CPU kernel reading blocks in place (equal to the static layout's int8 tokens);
-and (slow) the same among 16 neighbours of random lengths."""
+and (slow) the same among 16 neighbours of random lengths; two requests with a common 300-token prefix
+share its blocks (issue 34, step 2)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
+from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch
@@ -30,11 +32,10 @@ def int8_smollm2(smollm2):
     return config, q, kernels
 
 
-def make_runner(config, params, layout: str, kernels=None) -> InferenceRunner:
+def make_runner(config, params, layout: str, kernels=None, prefix_cache: str = "off") -> InferenceRunner:
     kv = {"kv_layout": "paged", "block_size": 32} if layout == "paged" else {}
-    engine = Engine(
-        build_model(config, kernels), params, EngineOptions(slots=4, max_len=512, prefill_buckets=(32, 128), **kv)
-    )
+    options = EngineOptions(slots=4, max_len=512, prefill_buckets=(32, 128), prefix_cache=prefix_cache, **kv)
+    engine = Engine(build_model(config, kernels), params, options)
     return InferenceRunner(engine, max_queue=64)  # never started: the test's thread is the loop
 
 
@@ -63,6 +64,32 @@ def test_golden_cases_through_the_paged_kernel_equal_the_static_kernel(smollm2, 
     static = [run(make_runner(config, params, "static", kernels), [r])[0] for r in requests]
     paged = make_runner(config, params, "paged", kernels)
     assert [run(paged, [r])[0] for r in requests] == static
+
+
+def test_two_requests_with_a_common_300_token_prefix_share_its_blocks(smollm2):
+    """The second request, admitted while the first runs, names the first's 9 full blocks of 32 (its
+    cached_tokens 300) and both reply as each alone without the cache (the same engine's uncached path,
+    which the golden cases above hold to the reference)."""
+    _, info, _, params = smollm2
+    runner = make_runner(info.config, params, "paged", prefix_cache="on")
+    rng = random.Random(300)
+    prefix = [rng.randrange(1000, 20000) for _ in range(300)]
+    requests = [Request(prefix + tail, 12, SamplingParams(temperature=0.0)) for tail in ([101, 102], [103])]
+    runner.prefix = PrefixCache(runner.engine.slots, "off")  # alone, nothing reused
+    alone = [run(runner, [r])[0] for r in requests]
+    runner.prefix = PrefixCache(runner.engine.slots, "on")
+    streams = []
+    for request in requests:
+        streams.append(runner.submit(request))
+        runner.iterate()
+    pool = runner.engine.kv_pool
+    rows = [next(pool.held[i] for i, s in enumerate(runner._slots) if s and s.stream is st) for st in streams]
+    assert streams[1].cached_tokens == 300 and rows[0][:9] == rows[1][:9]
+    assert pool.used == len(rows[0]) + len(rows[1]) - 9
+    while not all(s.done for s in streams):
+        runner.iterate()
+        pool.check()
+    assert [[e.token.id for e in s if e.token is not None] for s in streams] == alone
 
 
 def neighbours(n: int) -> list[Request]:

@@ -64,7 +64,11 @@ class Metrics:
         slots.set_function(lambda: stats_fn().slots)
         used.set_function(lambda: stats_fn().running / max(stats_fn().slots, 1))
         blocks = Gauge("hkserve_kv_blocks_total", "Blocks of the paged KV pool (0: static layout)", registry=r)
-        held = Gauge("hkserve_kv_blocks_used", "Paged KV blocks held by running or cached slots", registry=r)
+        held = Gauge(
+            "hkserve_kv_blocks_used",
+            "Paged KV blocks named by running or cached slots, a shared block once",
+            registry=r,
+        )
         blocks.set_function(lambda: stats_fn().kv_blocks_total)
         held.set_function(lambda: stats_fn().kv_blocks_used)
 

@@ -83,15 +83,16 @@ class Admission:
 
     def _make_room(self, slot: int, reuse: Reuse | None, worst: int, free: list[int]) -> Reuse | None:
         """Paged: evict idle slots' cached blocks (least recently used first; the reused prefix's source
-        last, dropping the reuse) until slot's shard can promise `worst` positions, and promise them.
-        Returns the reuse that still holds."""
+        last, dropping the reuse) until slot's shard can promise `worst` positions, the prefix's full
+        blocks shared with its source counted once, and promise them. Evicting a slot frees only the
+        blocks no other slot names. Returns the reuse that still holds."""
         pool = self.engine.kv_pool
         if pool is None:
             return reuse
         source = reuse.source if reuse else slot
         idle = [s for s in free if s not in (slot, source) and pool.shard(s) == pool.shard(slot) and pool.held[s]]
         for victim in [*self.prefix.by_age(idle), source]:
-            if pool.fits(slot, worst):
+            if pool.fits(slot, worst, pool.shareable(slot, reuse.source, reuse.length) if reuse else 0):
                 break
             if victim == source and (victim == slot or victim not in free):
                 continue

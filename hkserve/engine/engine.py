@@ -203,7 +203,7 @@ class Engine(PagedSlots, Warmup):
                 return self._compiled[key]
             elif kind == "copy":
                 fn = copy_prefix
-                in_sh = (self.state_shardings, rep, rep, rep, rep)
+                in_sh = (self.state_shardings, rep, rep, rep, rep, rep)
                 out_sh = self.state_shardings
                 self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
                 return self._compiled[key]
@@ -290,10 +290,10 @@ class Engine(PagedSlots, Warmup):
             reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
         )
         plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
-        self._assign(slot, len(prompt_ids), start if start and reuse.source == slot else 0)  # paged: its blocks
+        source_row = self._assign(slot, len(prompt_ids), reuse if start else None)  # paged: its blocks
         try:
             if start:
-                self._copy_prefix(reuse.source, slot, prompt_ids[:start])
+                self._copy_prefix(reuse.source, slot, prompt_ids[:start], source_row)
             for start, end, bucket, attend_len in plan:
                 piece = list(prompt_ids[start:end])
                 if scores is None:
@@ -326,16 +326,21 @@ class Engine(PagedSlots, Warmup):
                 raise DecodeStateLost(f"batched prefill failed after donating the decode state: {e!r}") from e
             raise
 
-    def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int]) -> None:
-        """Slot dest starts with slot source's KV of `prefix` (one program per window of rows)."""
+    def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int], source_row: np.ndarray | None = None) -> None:
+        """Slot dest starts with slot source's KV of `prefix` (one program per window of rows). Paged:
+        `source_row` [MB] is the source's block table row before `_assign` (None: as it is now); only
+        the blocks dest does not share with it are copied."""
         window = self._window(len(prefix))
         tokens = np.zeros((window,), np.int32)
         tokens[: len(prefix)] = prefix
+        if source_row is None:
+            source_row = self.kv_pool.table[source].copy() if self.kv_pool is not None else np.zeros(1, np.int32)
         args = (
             tokens,
             np.asarray([source], np.int32),
             np.asarray([dest], np.int32),
             np.asarray([len(prefix)], np.int32),
+            source_row,
         )
         self.sync_table()
         self.state = self._compiled_fn("copy", window)(self.state, *args)

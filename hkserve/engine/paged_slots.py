@@ -13,6 +13,7 @@ import numpy as np
 
 from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.kv_layout import check_layout, pool_blocks
+from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.config import ModelConfig
 from hkserve.model.memory import init_memory
 from hkserve.model.paged_memory import init_paged_memory
@@ -53,11 +54,25 @@ class PagedSlots:
             self.state = self._compiled_fn("table", 0)(self.state, self.kv_pool.table)
             self.kv_pool.dirty = False
 
-    def _assign(self, slot: int, tokens: int, keep: int = 0) -> None:
-        """Slot `slot` starts afresh with `tokens` positions, its first `keep` kept (a prefix reused in place)."""
-        if self.kv_pool is not None:
-            self.kv_pool.truncate(slot, keep)
-            self.kv_pool.grow(slot, tokens)
+    def _assign(self, slot: int, tokens: int, reuse: Reuse | None = None) -> np.ndarray | None:
+        """Slot `slot` starts afresh with `tokens` positions, the first reuse.length its source's: in
+        place (kept), or another slot's full blocks shared by reference. The partial last block of
+        the prefix is the slot's own (copy-on-write). Returns the source's table row [MB] before the
+        change, for the device copy of that block (`copy_prefix`); None without a reuse or under the
+        static layout."""
+        pool = self.kv_pool
+        if pool is None:
+            return None
+        source_row = pool.table[reuse.source].copy() if reuse else None
+        if reuse and reuse.source == slot:
+            pool.truncate(slot, reuse.length)
+            pool.unshare_tail(slot, reuse.length)
+        else:
+            pool.drop(slot)
+            if reuse:
+                pool.share(slot, reuse.source, reuse.length)
+        pool.grow(slot, tokens)
+        return source_row
 
     def _grow(self, active: np.ndarray) -> None:
         """Each active slot holds a block for the position its step writes."""

@@ -76,10 +76,12 @@ def check_reuse(
     return reuse.length
 
 
-def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, length: jax.Array):
+def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, length: jax.Array, source_row: jax.Array):
     """Slot dest [1] starts with the first length [1] positions of slot source [1]'s KV (tokens [W], the
     prefix padded to the copied window W, are what its penalties see as prompt); its generated-token
-    counts start at zero. Returns the decode state with only dest's rows changed."""
+    counts start at zero. Returns the decode state with only dest's rows changed. Paged: source_row [MB]
+    names the source's blocks, and only the prefix's blocks dest does not already name are copied (the
+    partial last one: full ones are shared by reference, block_pool.py), so a shared block is never written."""
     memory: KVMemory | PagedKVMemory = state.memory
     w = tokens.shape[0]
     zero = jnp.int32(0)
@@ -90,12 +92,14 @@ def copy_prefix(state, tokens: jax.Array, source: jax.Array, dest: jax.Array, le
         )
         return jax.lax.dynamic_update_slice(cache, rows, (zero, dest[0], zero, zero, zero))
 
-    def copy_blocks(cache):  # [L, NB, bs, Hkv, Dh]: the window's blocks of source onto dest's own
+    def copy_blocks(cache):  # [L, NB, bs, Hkv, Dh]: the prefix's blocks of source onto dest's own
         n = -(-w // cache.shape[2])
-        src, dst = memory.table[source[0], :n], memory.table[dest[0], :n]  # [n]; NB where not held
+        src, dst = source_row[:n], memory.table[dest[0], :n]  # [n]; NB where not held
+        outside = (src == dst) | (jnp.arange(n) * cache.shape[2] >= length[0])  # shared, or past the prefix
+        dst = jnp.where(outside, cache.shape[1], dst)
         return cache.at[:, dst].set(jnp.take(cache, src, axis=1, mode="clip"), mode="drop")
 
-    if isinstance(memory, PagedKVMemory):  # step 2 of issue 34 shares the full blocks instead
+    if isinstance(memory, PagedKVMemory):
         memory = memory._replace(k=copy_blocks(memory.k), v=copy_blocks(memory.v))
     else:
         memory = memory._replace(k=copy(memory.k), v=copy(memory.v))
