@@ -28,6 +28,8 @@ class RunnerStats(NamedTuple):
     waiting: int
     kv_blocks_total: int = 0  # paged KV layout: the pool's blocks (0: static layout)
     kv_blocks_used: int = 0  # of those, held by slots (running, or kept for the prefix cache)
+    kv_block_size: int = 0  # tokens per block (0: static layout)
+    preemptions: int = 0  # requests preempted so far to free blocks (paged layout)
 
 
 class Pending(Protocol):
