@@ -99,7 +99,13 @@ class FakeEngine:
             raise ContextLengthError(f"the context is {self.max_len} tokens; the request needs {needed}")
 
     def prefill(
-        self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, reuse=None, bitmask=None
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings: dict | None = None,
+        reuse=None,
+        bitmask=None,
+        generated: int = 0,
     ) -> FakePending:
         self.check_fits(len(prompt_ids))
         self._assign(slot, len(prompt_ids))

@@ -61,7 +61,8 @@ class Admission:
                     with self._lock:
                         self._waiting.appendleft(stream)
                     break
-                slot, reuse = self.prefix.place(ids, roomy, lookup=not scoring)
+                # A resuming request reuses prompt KV only (a prefix's copy counts every token as prompt).
+                slot, reuse = self.prefix.place(request.prompt_ids, roomy, lookup=not scoring)
                 reuse = self._make_room(slot, reuse, now, free)
                 free.remove(slot)
                 spent, taken = spent + len(ids) - (reuse.length if reuse else 0), taken + 1
@@ -117,6 +118,8 @@ class Admission:
         try:
             mask = self._first_mask(slot, stream, len(ids))
             keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
+            if resumed:  # its tokens so far are recomputed, and counted as generated (penalties)
+                keywords["generated"] = len(stream.generated)
             if request.prompt_logprobs is None or resumed:
                 if not resumed:  # a resumed request reports the reuse of its first admission
                     stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None

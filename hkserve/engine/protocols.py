@@ -55,8 +55,16 @@ class ServingEngine(Protocol):
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None: ...
 
     def prefill(
-        self, slot: int, prompt_ids: Sequence[int], settings=None, reuse: Reuse | None = None, bitmask=None
-    ) -> Pending: ...
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings=None,
+        reuse: Reuse | None = None,
+        bitmask=None,
+        generated: int = 0,
+    ) -> Pending:
+        """`generated`: the last so many of prompt_ids are the request's own tokens (a preempted one resuming)."""
+        ...
 
     def score_prefill(
         self, slot: int, prompt_ids: Sequence[int], settings=None, bitmask=None

@@ -1,0 +1,44 @@
+"""Preemption through Engine and InferenceRunner on the tiny random model of test_paged_engine (issue 34,
+step 3): a pool much smaller than the requests' needs runs 32 requests of mixed lengths, preempting
+and resuming many times, and every reply equals the request's reply alone (greedy, seeded sampled,
+and with frequency / presence penalties, which count the generated tokens a resume recomputes)."""
+
+from __future__ import annotations
+
+import random
+
+from test_paged_engine import CONFIG, make_runner, run
+
+from hkserve.engine.kv_layout import block_bytes
+from hkserve.engine.requests import Request
+from hkserve.model.sampling import SamplingParams
+
+
+def mixed(n: int, seed: int) -> list[Request]:
+    """n requests: prompts of 1..60 tokens, replies of 8..60; greedy, seeded, and penalized."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 60))]
+        sampling = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.9, seed=i),
+            SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5),
+        ][i % 3]
+        out.append(Request(prompt, rng.randint(8, 60), sampling))
+    return out
+
+
+def test_32_requests_in_a_pool_smaller_than_their_needs_reply_as_alone():
+    """12 blocks of 16 (192 positions) for 8 slots and 32 requests needing up to 120 positions each."""
+    mb = 12 * block_bytes(CONFIG, 16) / 2**20
+    runner = make_runner("xla", "paged", slots=8, kv_cache_mb=mb)
+    pool = runner.engine.kv_pool
+    assert pool.total == 12
+    requests = mixed(32, seed=4)
+    assert sum(pool.blocks_for(len(r.prompt_ids) + r.max_tokens) for r in requests) > 5 * pool.total
+    alone = [run(runner, [r])[0] for r in requests]
+    assert runner.preemptions == 0
+    assert run(runner, requests, watch=lambda r: r.engine.kv_pool.check()) == alone
+    assert runner.stats().preemptions == runner.preemptions > 10
+    assert pool.used == 0 and pool.reserved == [0] * 8
