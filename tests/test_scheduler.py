@@ -10,7 +10,9 @@ import re
 
 import pytest
 from fake_engine import FakeEngine, token_ids
+from fastapi.testclient import TestClient
 
+from hkserve.api.app import create_app
 from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.requests import Request
@@ -152,3 +154,23 @@ def test_admission_takes_what_a_request_needs_now_not_its_worst_case(blocks):
         runner.submit(r)
     runner.iterate()
     assert runner.stats().running == 2 and runner.stats().waiting == 0
+
+
+def test_health_and_metrics_report_the_pool_and_the_preemptions():
+    """/health "ok" carries the pool (blocks total / used / free, block size, preemptions) and /metrics
+    hkserve_preemptions_total, both from the runner's published stats."""
+    engine = FakeEngine(slots=2, max_len=40, vocab_size=300, kv_blocks=10, block_size=4)
+    runner = InferenceRunner(engine)  # the test drives the loop; the app only reads its stats
+    client = TestClient(create_app(runner, byte_tokenizer(), "fake", engine.max_len))
+    runner.ready.set()
+    assert client.get("/health").json()["kv_pool"]["preemptions"] == 0
+    streams = [runner.submit(Request(list(range(1, 25)), 14)), runner.submit(Request([97, 98, 99], 30))]
+    while runner.preemptions == 0:
+        runner.iterate()
+    pool = client.get("/health").json()["kv_pool"]
+    assert pool == {"blocks_total": 10, "blocks_used": 8, "blocks_free": 2, "block_size": 4, "preemptions": 1}
+    assert pool["blocks_used"] == engine.kv_pool.used
+    assert "hkserve_preemptions_total 1.0" in client.get("/metrics").text
+    while not all(s.done for s in streams):
+        runner.iterate()
+    assert client.get("/health").json()["kv_pool"]["blocks_used"] == 0

@@ -78,7 +78,6 @@ class InferenceRunner(Admission, Preemption):
         # The loop's own (see the module docstring):
         self._slots: list[SlotState | None] = [None] * engine.slots
         self._in_flight: list[InFlight] = []  # the last pass's dispatched device work, read next pass
-        self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
         self.preemptions = 0  # requests preempted so far (paged layout: preemption.py)
         self.grammars = SlotGrammars(engine.slots, engine.vocab_size)  # constrained slots
@@ -88,6 +87,8 @@ class InferenceRunner(Admission, Preemption):
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.abort_grace_s = 1.0  # how long abort waits for the loop before ending requests itself
+        self._stats: RunnerStats  # replaced (never mutated) by the loop
+        self._publish_stats()
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> InferenceRunner:
