@@ -7,10 +7,11 @@ when its memory is dropped (`drop`, `truncate`). Each data shard of the mesh has
 pool: the slots of shard d (slots d*B/D .. (d+1)*B/D - 1) take only blocks d*NB/D .. (d+1)*NB/D - 1,
 which lie on that shard's devices.
 
-Admission (engine/admission.py) reserves each request's worst case (prompt + max_tokens) with
-`reserve`, and admits only while the reservations and the blocks that idle slots keep for the prefix
-cache fit the shard (`fits`): so a running request's `grow` never finds its shard empty. Preemption
-(issue 34, step 3) will relax this to admitting by the blocks actually used.
+Each running request is promised (`reserve`) the blocks of its next step only: before each step the
+runner's Scheduler (engine/scheduler.py) preempts the newest requests of a shard whose promises would
+not fit, and admission (engine/admission.py) admits only while the promises, a new request's prompt
+and first token, and the blocks that idle slots keep for the prefix cache fit the shard (`fits`): so
+a step's `grow` never finds its shard empty.
 """
 
 from __future__ import annotations

@@ -147,21 +147,11 @@ class Engine(PagedSlots, Warmup):
         return self._sample_first(state, logits, slot, row_settings, row_mask)
 
     def _score_impl(
-        self,
-        attend_len,
-        params,
-        state: DecodeState,
-        tokens,
-        length,
-        slot,
-        generated_from,
-        row_settings,
-        row_mask,
-        targets,
+        self, attend_len, params, state: DecodeState, tokens, length, slot, gen_from, row_settings, row_mask, targets
     ):
         """_prefill_impl that also scores targets [1, T] (each position's next prompt token) under the
         logits of every position: the one program that computes the head over the whole chunk."""
-        logits, state = self._fill(attend_len, params, state, tokens, length, slot, generated_from, False)  # [1, T, V]
+        logits, state = self._fill(attend_len, params, state, tokens, length, slot, gen_from, False)  # [1, T, V]
         last = jnp.take(logits[0], jnp.maximum(length - 1, 0), axis=0)  # [1, V]
         state, packed = self._sample_first(state, last, slot, row_settings, row_mask)
         return state, packed, score_targets(logits[0], targets[0], self.n_top)

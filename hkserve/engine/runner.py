@@ -19,7 +19,9 @@ Concurrency — who owns what:
     and the consumer reads by blocking iteration or `async for`.
 
 Admission (queued requests into free slots, their prefills dispatched) is the loop's other half, in
-admission.py.
+admission.py. Under the paged KV layout each pass first makes its step's blocks fit (preemption.py,
+applying the pure policy of scheduler.py): the newest running requests may go back to the queue's
+front, to resume later from their prompt and generated tokens.
 
 The loop runs one step behind the device: it dispatches step n, then reads step n-1's tokens (their
 host copy started when they were dispatched), so the device never waits for Python. A request that
