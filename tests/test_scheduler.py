@@ -67,15 +67,17 @@ def drive(runner: InferenceRunner, requests: list[Request], limit: int = 2000) -
     return out
 
 
-def test_requests_that_outgrow_the_pool_are_preempted_and_all_reply_as_alone():
+@pytest.mark.parametrize("prefix_cache", ["off", "on"])
+def test_requests_that_outgrow_the_pool_are_preempted_and_all_reply_as_alone(prefix_cache):
     """16 blocks of 4 tokens for 8 slots; 24 requests of up to 30 positions each. Admission by what a
     request needs now lets many run; as they grow the newest are preempted and resumed, repeatedly;
-    every reply equals its alone reply and every block comes back."""
+    every reply equals its alone reply and every block comes back (prefix cache on: idle slots keep
+    theirs until a step or an admission needs them)."""
     rng = random.Random(5)
     requests = [
         Request([rng.randrange(1, 100) for _ in range(rng.randint(1, 10))], rng.randint(5, 20)) for _ in range(24)
     ]
-    engine = FakeEngine(slots=8, kv_blocks=16, block_size=4)
+    engine = FakeEngine(slots=8, kv_blocks=16, block_size=4, prefix_cache=prefix_cache)
     runner = InferenceRunner(engine, max_queue=64)
     seen = []
     real = runner._preempt
@@ -87,7 +89,8 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_all_reply_as_alone():
     runner._preempt = watching
     assert drive(runner, requests) == [alone_tokens(r) for r in requests]
     assert runner.stats().preemptions == runner.preemptions == len(seen) > 5
-    assert engine.kv_pool.used == 0 and engine.kv_pool.reserved == [0] * 8
+    assert engine.kv_pool.reserved == [0] * 8
+    assert engine.kv_pool.used == 0 if prefix_cache == "off" else engine.kv_pool.used > 0  # cached blocks kept
     # resumed requests prefill their prompt and the tokens they had delivered
     resumed = [c[2] for c in engine.calls if c[0] == "prefill" and not any(c[2] == r.prompt_ids for r in requests)]
     assert len(resumed) >= len(seen)
