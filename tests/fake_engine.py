@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.requests import Event, RequestStream
 from hkserve.engine.state import ContextLengthError
@@ -62,17 +63,33 @@ class FakeEngine:
     prefix_cache: str = "off"
     prefill_chunk: int | None = None
     supports_grammars: bool = True
-    kv_layout: str = "static"
-    kv_pool: None = None  # the fake holds no paged blocks
+    kv_blocks: int = 0  # > 0: a paged layout of this many blocks (one data shard), held as the real Engine's
+    block_size: int = 4
     stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
     positions: np.ndarray = field(init=False)  # tokens in each slot's memory
+    kv_layout: str = field(init=False)
+    kv_pool: BlockPool | None = field(init=False)
 
     def __post_init__(self):
         self.model = FakeModel(FakeConfig(self.vocab_size))
         self.last = [0] * self.slots
         self.positions = np.zeros(self.slots, np.int64)
+        self.kv_layout = "paged" if self.kv_blocks else "static"
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        self.kv_pool = None
+        if self.kv_blocks:
+            max_blocks = -(-self.max_len // self.block_size)
+            self.kv_pool = BlockPool(self.kv_blocks, self.block_size, self.slots, max_blocks)
+
+    def _assign(self, slot: int, tokens: int) -> None:
+        """Paged: the slot starts afresh holding blocks for `tokens` positions (PoolExhausted if it cannot)."""
+        if self.kv_pool is not None:
+            self.kv_pool.truncate(slot, 0)
+            self.kv_pool.grow(slot, tokens)
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         if prompt_len == 0:
@@ -82,9 +99,16 @@ class FakeEngine:
             raise ContextLengthError(f"the context is {self.max_len} tokens; the request needs {needed}")
 
     def prefill(
-        self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, reuse=None, bitmask=None
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings: dict | None = None,
+        reuse=None,
+        bitmask=None,
+        generated: int = 0,
     ) -> FakePending:
         self.check_fits(len(prompt_ids))
+        self._assign(slot, len(prompt_ids))
         self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()))
         self.last[slot] = self._allowed((prompt_ids[-1] + 1) % self.vocab_size, bitmask, 0)
         self.positions[slot] = len(prompt_ids)
@@ -112,6 +136,7 @@ class FakeEngine:
         assert 1 <= len(prompts) <= self.prefill_rows and all(len(p) <= 8 for p in prompts)
         self.calls.append(("prefill_many", list(slots), [list(p) for p in prompts]))
         for slot, prompt in zip(slots, prompts):
+            self._assign(slot, len(prompt))
             self.last[slot] = (prompt[-1] + 1) % self.vocab_size
             self.positions[slot] = len(prompt)
         return FakePending([token(self.last[slot]) for slot in slots])
@@ -120,6 +145,8 @@ class FakeEngine:
         active = np.asarray(active, bool)
         if (self.positions[active] >= self.max_len).any():
             raise ContextLengthError(f"a slot reached the context length {self.max_len}")
+        for i in np.flatnonzero(active) if self.kv_pool is not None else ():
+            self.kv_pool.grow(int(i), int(self.positions[i]) + 1)
         self.calls.append(("step", [int(i) for i in np.flatnonzero(active)]))
         self.stepping.set()
         if self.gate is not None:
@@ -143,12 +170,17 @@ class FakeEngine:
         return None
 
     def release(self, slot: int, keep: bool = False) -> None:
-        """A request left the slot (Engine.release frees its paged blocks; the fake holds none)."""
+        """A request left the slot: its paged blocks go back to the pool unless `keep` (as Engine.release)."""
+        if self.kv_pool is not None:
+            self.kv_pool.reserve(slot, 0)
+            if not keep:
+                self.kv_pool.drop(slot)
 
     def reset(self) -> None:
         self.calls.append(("reset",))
         self.last = [0] * self.slots
         self.positions[:] = 0
+        self._new_pool()
 
     def warmup(self) -> None:
         self.calls.append(("warmup",))

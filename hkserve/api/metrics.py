@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -10,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class Metrics:
     def __init__(self, stats_fn):
-        """`stats_fn()` → RunnerStats(slots, running, waiting, kv blocks total and used), read at scrape time."""
+        """`stats_fn()` → RunnerStats (slots, running, waiting, the kv pool, preemptions), read at scrape time."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -71,6 +72,21 @@ class Metrics:
         )
         blocks.set_function(lambda: stats_fn().kv_blocks_total)
         held.set_function(lambda: stats_fn().kv_blocks_used)
+        r.register(
+            RunnerCounter("hkserve_preemptions", "Requests preempted to free KV blocks", lambda: stats_fn().preemptions)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RunnerCounter:
+    """A counter the runner's loop keeps (in its stats snapshot), exported as `<name>_total` at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read):
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation)
+        family.add_metric([], self.read())
+        yield family

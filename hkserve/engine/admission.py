@@ -16,6 +16,7 @@ from hkserve.engine.outputs import PendingScores, PendingTokens
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import RequestStream
 from hkserve.engine.row_groups import RowGroups, RowOf
+from hkserve.engine.scheduler import Scheduler
 from hkserve.engine.state import DecodeStateLost
 
 log = logging.getLogger("hkserve.runner")
@@ -51,19 +52,22 @@ class Admission:
                         break
                     stream = self._waiting.popleft()
                 request = stream.request
-                scoring = request.prompt_logprobs is not None  # scores every prompt token: reuses nothing
-                worst = min(len(request.prompt_ids) + request.max_tokens, self.engine.max_len)
-                roomy = self._roomy(free, worst)
-                if not roomy:  # the pool cannot promise its worst case yet: it waits, first in line
+                ids = request.prompt_ids + stream.generated  # a preempted request resumes after its tokens
+                # A scoring prefill scores every prompt token (reusing nothing), once: not when resumed.
+                scoring = request.prompt_logprobs is not None and not stream.generated
+                now = min(len(ids) + 1, self.engine.max_len)  # its prefill and its first step's token
+                roomy = self._roomy(free, now)
+                if not roomy:  # the pool cannot give it its blocks yet: it waits, first in line
                     with self._lock:
                         self._waiting.appendleft(stream)
                     break
+                # A resuming request reuses prompt KV only (a prefix's copy counts every token as prompt).
                 slot, reuse = self.prefix.place(request.prompt_ids, roomy, lookup=not scoring)
-                reuse = self._make_room(slot, reuse, worst, free)
+                reuse = self._make_room(slot, reuse, now, free)
                 free.remove(slot)
-                spent, taken = spent + len(request.prompt_ids) - (reuse.length if reuse else 0), taken + 1
-                stream.admitted_at = time.monotonic()
-                if reuse is None and groups.takes(request):
+                spent, taken = spent + len(ids) - (reuse.length if reuse else 0), taken + 1
+                stream.admitted_at = stream.admitted_at or time.monotonic()
+                if reuse is None and not stream.generated and groups.takes(request):
                     full = groups.add(slot, stream)
                     admitted += self._prefill_rows(full) if full else []
                     continue
@@ -75,15 +79,15 @@ class Admission:
             raise
         return admitted
 
-    def _roomy(self, free: list[int], worst: int) -> list[int]:
-        """The free slots whose shard of a paged pool can promise a request `worst` positions once the
-        idle slots' cached blocks are evicted (all of them, static layout)."""
+    def _roomy(self, free: list[int], now: int) -> list[int]:
+        """The free slots whose shard of a paged pool can give a request the `now` positions it needs
+        beside the running rows' promises (all of them, static layout)."""
         pool = self.engine.kv_pool
-        return free if pool is None else [s for s in free if pool.fits_evicting_idle(s, worst)]
+        return free if pool is None else Scheduler(pool).roomy(free, now)
 
-    def _make_room(self, slot: int, reuse: Reuse | None, worst: int, free: list[int]) -> Reuse | None:
+    def _make_room(self, slot: int, reuse: Reuse | None, now: int, free: list[int]) -> Reuse | None:
         """Paged: evict idle slots' cached blocks (least recently used first; the reused prefix's source
-        last, dropping the reuse) until slot's shard can promise `worst` positions, the prefix's full
+        last, dropping the reuse) until slot's shard can promise `now` positions, the prefix's full
         blocks shared with its source counted once, and promise them. Evicting a slot frees only the
         blocks no other slot names. Returns the reuse that still holds."""
         pool = self.engine.kv_pool
@@ -92,14 +96,14 @@ class Admission:
         source = reuse.source if reuse else slot
         idle = [s for s in free if s not in (slot, source) and pool.shard(s) == pool.shard(slot) and pool.held[s]]
         for victim in [*self.prefix.by_age(idle), source]:
-            if pool.fits(slot, worst, pool.shareable(slot, reuse.source, reuse.length) if reuse else 0):
+            if pool.fits(slot, now, pool.shareable(slot, reuse.source, reuse.length) if reuse else 0):
                 break
             if victim == source and (victim == slot or victim not in free):
                 continue
             if victim == source:
                 reuse = None
             self._evict(victim)
-        pool.reserve(slot, worst)
+        pool.reserve(slot, now)
         return reuse
 
     def _evict(self, slot: int) -> None:
@@ -109,15 +113,18 @@ class Admission:
 
     def _prefill_one(self, slot: int, stream: RequestStream, free: list[int], reuse: Reuse | None) -> list[InFlight]:
         """One prompt's own prefill: with its prefix's KV reused, a grammar's first mask, or its scores."""
-        request = stream.request
+        request, resumed = stream.request, bool(stream.generated)
+        ids = request.prompt_ids + stream.generated
         scores = None
         try:
-            # a constrained request's first token is sampled under its grammar's first mask
-            mask = self.grammars.bind(slot, request.grammar) if request.grammar and request.max_tokens else None
+            mask = self._first_mask(slot, stream, len(ids))
             keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
-            if request.prompt_logprobs is None:
-                stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
-                pending = self.engine.prefill(slot, request.prompt_ids, request.sampling, **keywords)
+            if resumed:  # its tokens so far are recomputed, and counted as generated (penalties)
+                keywords["generated"] = len(stream.generated)
+            if request.prompt_logprobs is None or resumed:
+                if not resumed:  # a resumed request reports the reuse of its first admission
+                    stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
+                pending = self.engine.prefill(slot, ids, request.sampling, **keywords)
             else:
                 pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
         except Exception as e:  # this request only: its slot stays free, the others go on
@@ -125,15 +132,26 @@ class Admission:
             self._evict(slot)
             self._prefill_failed([stream], e)
             return []
-        self.prefix.admitted(slot, request.prompt_ids, exact=request.prompt_logprobs is None)
+        self.prefix.admitted(slot, ids, exact=request.prompt_logprobs is None or resumed)
         if request.max_tokens:
-            self._slots[slot] = SlotState(stream, 0, len(request.prompt_ids))
+            self._slots[slot] = SlotState(stream, len(stream.generated), len(ids))
         else:  # only the prompt's scores are wanted: the slot is free again at once
             self._prompt_only.append(stream)
             self.prefix.finished(slot, len(request.prompt_ids))
             self.engine.release(slot, keep=self.prefix.mode != "off")
             free.insert(0, slot)
         return [InFlight([(slot, stream)], pending, False, scores)]
+
+    def _first_mask(self, slot: int, stream: RequestStream, length: int):
+        """A constrained request's mask [1, W] for the token its prefill samples: its grammar's first, or,
+        resumed after preemption, the one after the tokens it had generated (None: unconstrained)."""
+        request, generated = stream.request, stream.generated
+        if not (request.grammar and request.max_tokens):
+            return None
+        if not generated:
+            return self.grammars.bind(slot, request.grammar)
+        remaining = min(request.max_tokens - len(generated), self.engine.max_len - length + 1)
+        return self.grammars.resume(slot, request.grammar, generated, remaining)
 
     def _prefill_rows(self, group: list[tuple[int, RequestStream]]) -> list[InFlight]:
         """One batched prefill of a group of short prompts (Engine.prefill_many): one flight per row."""

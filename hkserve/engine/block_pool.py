@@ -16,10 +16,11 @@ Each data shard of the mesh has its own part of the pool: the slots of shard d (
 (d+1)*B/D - 1) take only blocks d*NB/D .. (d+1)*NB/D - 1,
 which lie on that shard's devices.
 
-Admission (engine/admission.py) reserves each request's worst case (prompt + max_tokens) with
-`reserve`, and admits only while the named blocks (each once, idle slots' prefix-cache blocks too)
-and what the reservations may still take fit the shard (`fits`): so a running request's `grow` never
-finds its shard empty. Preemption (issue 34, step 3) will relax this to admitting by the blocks actually used.
+Each running request is promised (`reserve`) the blocks of its next step only: before each step the
+runner's Scheduler (engine/scheduler.py) preempts the newest requests of a shard whose promises would
+not fit, and admission (engine/admission.py) admits only while the promises, a new request's prompt
+and first token, and the blocks that slots name (each once, idle slots' prefix-cache blocks too) fit
+the shard (`fits`): so a step's `grow` never finds its shard empty.
 """
 
 from __future__ import annotations

@@ -208,6 +208,20 @@ class SlotGrammars:
         self._timed(started, 1)
         return row
 
+    def resume(self, slot: int, grammar: Grammar, generated: list[int], remaining: int) -> np.ndarray:
+        """A preempted request's matcher again: a fresh one fed the tokens it had generated → the bitmask
+        [1, W] of its next token (sampled by the resuming prefill), restricted by its JSON budget as
+        `masks` would with `remaining` tokens left."""
+        self.bind(slot, grammar)
+        for token_id in generated:
+            if not self.advance(slot, token_id).ok:  # it took them before: the same grammar must again
+                raise GrammarError(f"the grammar refused token {token_id} it allowed before preemption")
+        row = full_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(self._matchers[slot], row, 0)
+        if slot in self._budgets and self._budgets[slot].restrict(row[0], remaining):
+            self._cut.add(slot)
+        return row
+
     def release(self, slot: int) -> None:
         self._matchers.pop(slot, None)
         self._budgets.pop(slot, None)

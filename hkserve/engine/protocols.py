@@ -28,6 +28,8 @@ class RunnerStats(NamedTuple):
     waiting: int
     kv_blocks_total: int = 0  # paged KV layout: the pool's blocks (0: static layout)
     kv_blocks_used: int = 0  # of those, held by slots (running, or kept for the prefix cache)
+    kv_block_size: int = 0  # tokens per block (0: static layout)
+    preemptions: int = 0  # requests preempted so far to free blocks (paged layout)
 
 
 class Pending(Protocol):
@@ -53,8 +55,16 @@ class ServingEngine(Protocol):
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None: ...
 
     def prefill(
-        self, slot: int, prompt_ids: Sequence[int], settings=None, reuse: Reuse | None = None, bitmask=None
-    ) -> Pending: ...
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings=None,
+        reuse: Reuse | None = None,
+        bitmask=None,
+        generated: int = 0,
+    ) -> Pending:
+        """`generated`: the last so many of prompt_ids are the request's own tokens (a preempted one resuming)."""
+        ...
 
     def score_prefill(
         self, slot: int, prompt_ids: Sequence[int], settings=None, bitmask=None

@@ -55,6 +55,8 @@ class RequestStream:
         self.loop = loop
         self.admitted_at: float | None = None
         self.cached_tokens: int | None = None  # prompt tokens whose KV was reused (None: not looked up)
+        self.order = 0  # arrival order (the runner's count at submit): the older runs first when blocks run out
+        self.generated: list[int] = []  # tokens delivered: a preempted request recomputes prompt + these
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
         self._mailbox = mailbox_for(loop) if loop else None  # one loop wake-up per step (handoff.py)

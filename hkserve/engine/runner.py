@@ -19,7 +19,9 @@ Concurrency — who owns what:
     and the consumer reads by blocking iteration or `async for`.
 
 Admission (queued requests into free slots, their prefills dispatched) is the loop's other half, in
-admission.py.
+admission.py. Under the paged KV layout each pass first makes its step's blocks fit (preemption.py,
+applying the pure policy of scheduler.py): the newest running requests may go back to the queue's
+front, to resume later from their prompt and generated tokens.
 
 The loop runs one step behind the device: it dispatches step n, then reads step n-1's tokens (their
 host copy started when they were dispatched), so the device never waits for Python. A request that
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -46,6 +49,7 @@ import numpy as np
 from hkserve.engine.admission import Admission, InFlight, SlotState
 from hkserve.engine.constrained import SlotGrammars
 from hkserve.engine.outputs import ScoredToken, Token
+from hkserve.engine.preemption import Preemption
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
@@ -55,7 +59,7 @@ from hkserve.engine.state import check_max_tokens
 log = logging.getLogger("hkserve.runner")
 
 
-class InferenceRunner(Admission):
+class InferenceRunner(Admission, Preemption):
     """The API's ServingRunner (protocols.py) over any ServingEngine."""
 
     def __init__(self, engine: ServingEngine, max_queue: int = 64, prefill_budget: int = 256):
@@ -70,13 +74,14 @@ class InferenceRunner(Admission):
         self._open: set[RequestStream] = set()  # submitted and not yet ended
         self._cancelled: set[str] = set()
         self._abort_error: str | None = None  # set once by abort: every request ends with it
+        self._arrivals = itertools.count()  # each submitted request's arrival order (RequestStream.order)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # signalled on submit / cancel / stop / abort
         # The loop's own (see the module docstring):
         self._slots: list[SlotState | None] = [None] * engine.slots
         self._in_flight: list[InFlight] = []  # the last pass's dispatched device work, read next pass
-        self._stats = RunnerStats(engine.slots, 0, 0)  # replaced (never mutated) by the loop
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
+        self.preemptions = 0  # requests preempted so far (paged layout: preemption.py)
         self.grammars = SlotGrammars(engine.slots, engine.vocab_size)  # constrained slots
         # What each slot's memory holds, and where prompts go (mode "off": the first free slot).
         self.prefix = PrefixCache(engine.slots, engine.prefix_cache, granule=engine.prefill_chunk or 1)
@@ -84,6 +89,8 @@ class InferenceRunner(Admission):
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.abort_grace_s = 1.0  # how long abort waits for the loop before ending requests itself
+        self._stats: RunnerStats  # replaced (never mutated) by the loop
+        self._publish_stats()
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> InferenceRunner:
@@ -143,6 +150,7 @@ class InferenceRunner(Admission):
                 raise Overloaded("the runner is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"the admission queue is full ({self.max_queue} waiting)")
+            stream.order = next(self._arrivals)
             self._waiting.append(stream)
             self._open.add(stream)
             self._wake.notify()
@@ -194,6 +202,7 @@ class InferenceRunner(Admission):
             self._in_flight = []
             return False
         self._sweep_cancelled()
+        self._fit_step()  # paged: the running rows' next blocks, preempting the newest when they run out
         admitted = self._admit()
         dispatched = list(admitted)
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
@@ -248,8 +257,9 @@ class InferenceRunner(Admission):
         with self._lock:
             waiting = len(self._waiting)
         pool = self.engine.kv_pool
-        blocks = (pool.total, pool.used) if pool is not None else (0, 0)
-        self._stats = RunnerStats(self.engine.slots, sum(s is not None for s in self._slots), waiting, *blocks)
+        blocks = (pool.total, pool.used, pool.block_size) if pool is not None else (0, 0, 0)
+        running = sum(s is not None for s in self._slots)
+        self._stats = RunnerStats(self.engine.slots, running, waiting, *blocks, self.preemptions)
 
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)
@@ -303,6 +313,7 @@ class InferenceRunner(Admission):
         request = stream.request
         produced = self._slots[slot].produced + 1
         self.prefix.delivered(slot, token.id)
+        stream.generated.append(token.id)
         self._slots[slot] = self._slots[slot]._replace(produced=produced)
         top = token.top[: request.logprobs]
         stream.push(Event(request.id, Token(token.id, token.logprob, top)))

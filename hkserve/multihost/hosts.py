@@ -140,9 +140,13 @@ class LeaderEngine(ForwardsQueries):
     def spec_counts(self):
         return self.inner.spec_counts()
 
-    def prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None):
+    def prefill(
+        self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None, generated=0
+    ):
         """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
-        a grammar's first mask."""
+        a grammar's first mask. Never `generated`: multi-host serves the static layout, which preempts nothing."""
+        if generated:
+            raise ValueError("multi-host serving does not preempt requests (the paged layout is refused there)")
         extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
         return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))

@@ -1,5 +1,6 @@
-"""GET /health (200 "ok" only when generations are taken: else 503 loading / draining / failed) and
-GET /metrics (Prometheus text). Both are open without the API key (access.py)."""
+"""GET /health (200 "ok" only when generations are taken: else 503 loading / draining / failed; with the
+paged KV layout, "ok" also reports the pool) and GET /metrics (Prometheus text). Both are open without
+the API key (access.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ async def health(request: Request):
         return JSONResponse({"status": "failed", "error": request.app.state.failed}, status_code=503)
     if why is not None:
         return JSONResponse({"status": why}, status_code=503)
-    return {"status": "ok"}
+    stats = request.app.state.context.runner.stats()
+    if not stats.kv_blocks_total:
+        return {"status": "ok"}
+    pool = {
+        "blocks_total": stats.kv_blocks_total,
+        "blocks_used": stats.kv_blocks_used,
+        "blocks_free": stats.kv_blocks_total - stats.kv_blocks_used,
+        "block_size": stats.kv_block_size,
+        "preemptions": stats.preemptions,
+    }
+    return {"status": "ok", "kv_pool": pool}
 
 
 @router.get("/metrics")

@@ -1,0 +1,71 @@
+"""The paged layout's scheduling policy: which running rows keep their blocks through the next step,
+which idle slots' cached blocks go, and which requests are preempted (issue 34, step 3).
+
+Pure and lock-free: it reads the block pool and the rows it is shown and returns a decision; the
+runner's loop (runner.py, admission.py) applies it — frees blocks, requeues the preempted — and keeps
+the threads, queues and the device pipeline (vLLM's Scheduler / EngineCore split).
+
+Admission promises a request only the blocks it needs now (its prompt and the first step's token),
+so the running rows' growth can outrun the pool. Before each step `plan_step` makes every shard's
+next step fit: it first drops the least recently used idle slots' cached blocks, then preempts the
+NEWEST running requests (by arrival order) of that shard. The oldest running request of a shard is
+never preempted for a newer one: a request alone always fits its shard (submit refuses one whose
+prompt + max_tokens exceed --max-len, and the pool holds at least --max-len per shard), so the
+oldest always advances and no request waits forever.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hkserve.engine.block_pool import BlockPool
+
+
+class Row(NamedTuple):
+    slot: int
+    order: int  # arrival order: a smaller one is older and is never preempted for a larger one
+    tokens: int  # positions the row's memory holds once this pass's step is written
+
+
+class StepPlan(NamedTuple):
+    evict: list[int]  # idle slots whose cached blocks are dropped, least recently used first
+    preempt: list[int]  # running slots freed and requeued, newest first
+
+
+class Scheduler:
+    """The policy over one BlockPool (see the module docstring)."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+
+    def plan_step(self, rows: list[Row], idle_by_age: list[int]) -> StepPlan:
+        """What must go so that every kept row holds `tokens` positions after this pass's step.
+        `idle_by_age`: the slots with no running request, least recently used first (their held
+        blocks are the prefix cache's, evictable). A block that several rows share (block_pool.py)
+        is counted once per row: the plan errs toward evicting and preempting, never toward a step
+        whose `grow` finds its shard empty."""
+        pool, evict, preempt = self.pool, [], []
+        for shard in range(pool.shards):
+            mine = sorted((r for r in rows if pool.shard(r.slot) == shard), key=lambda r: r.order)
+            need = sum(pool.blocks_for(r.tokens) for r in mine)
+            idle = [s for s in idle_by_age if pool.shard(s) == shard and pool.held[s]]
+            cached = sum(len(pool.held[s]) for s in idle)
+            for slot in idle:
+                if need + cached <= pool.per_shard:
+                    break
+                evict.append(slot)
+                cached -= len(pool.held[slot])
+            while need > pool.per_shard:
+                if len(mine) == 1:  # cannot happen: submit refuses a request its shard cannot hold alone
+                    raise AssertionError(
+                        f"slot {mine[0].slot} alone needs more than its shard's {pool.per_shard} blocks"
+                    )
+                newest = mine.pop()
+                preempt.append(newest.slot)
+                need -= pool.blocks_for(newest.tokens)
+        return StepPlan(evict, preempt)
+
+    def roomy(self, free: list[int], tokens: int) -> list[int]:
+        """The free slots whose shard can take a request needing `tokens` positions now, beside every
+        running row's promise (`BlockPool.reserve`), once idle slots' cached blocks are evicted."""
+        return [s for s in free if self.pool.fits_evicting_idle(s, tokens)]
