@@ -138,11 +138,12 @@ def test_a_prefix_reused_in_place_up_to_inside_a_shared_block_writes_a_copy_of_i
 
 def test_eviction_frees_the_least_recently_used_idle_prefix_and_never_a_referenced_block(uncached):
     """x (older) and y (newer) end and keep their prefixes; r, still running, shares x's six full
-    blocks. z needs all but 14 of the 24 blocks: evicting x's slot (its one private block; the six
-    r names stay) is enough, so y's prefix stays cached, and r replies as uncached."""
+    blocks. 13 of the 24 blocks are named (x 7, r 2 of its own, y 4); z's 180-token prompt needs 12
+    now: evicting x's slot (its one private block; the six r names stay) is enough, so y's prefix
+    stays cached, and r replies as uncached."""
     px = PREFIX[:100]
     x, r = Request(px, 2, GREEDY), Request(px[:96] + [95] * 20, 40, GREEDY)
-    y, z = Request(PREFIX[100:160], 2, GREEDY), Request(PREFIX[200:240], 120, GREEDY)
+    y, z = Request(PREFIX[100:160], 2, GREEDY), Request([(5 * i + 1) % 96 for i in range(180)], 2, GREEDY)
     runner = make_runner(blocks=24)
     pool, cache = runner.engine.kv_pool, runner.prefix
     xs = submit(runner, x)
@@ -155,7 +156,7 @@ def test_eviction_frees_the_least_recently_used_idle_prefix_and_never_a_referenc
     finish(runner, [ys])
     shared = pool.held[slot_of(runner, rs)][:6]
     assert pool.held[x_slot][:6] == shared and len(pool.held[x_slot]) == 7 and len(pool.held[y_slot]) == 4
-    assert not pool.fits(3, 160)  # z does not fit beside both cached prefixes
+    assert pool.committed(0, 3) == 13 and not pool.fits(3, 181)  # z's prompt and first token do not fit
     zs = submit(runner, z)
     assert slot_of(runner, zs) == 3 and pool.held[x_slot] == [] and cache.usable(x_slot, px) == 0
     assert len(pool.held[y_slot]) == 4 and cache.usable(y_slot, y.prompt_ids + [0]) == 60  # y stays cached
