@@ -37,6 +37,8 @@ LOCAL = [
     "tiny-granite",
     "tiny-olmo2",
     "tiny-smollm3",
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
 ]
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 

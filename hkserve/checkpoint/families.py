@@ -116,6 +116,43 @@ PHI3 = Family(
     gguf_architecture="phi3",
     gguf_sliding=True,
 )
+# Qwen-MoE: experts as mlp.experts.{e}.*, the router mlp.gate; Qwen2-MoE adds a shared expert with a sigmoid
+# gate. norm_topk_prob picks the routing (renormalised top-k or not); HF only for now.
+HF_QWEN_MOE_NAMES = HF_NAMES.replace(
+    router="mlp.gate.weight",
+    expert_gate="mlp.experts.{e}.gate_proj.weight",
+    expert_up="mlp.experts.{e}.up_proj.weight",
+    expert_down="mlp.experts.{e}.down_proj.weight",
+)
+QWEN_MOE_KEYS = frozenset({
+    "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+})  # fmt: skip
+QWEN2_MOE = Family(
+    "qwen2_moe",
+    {"qkv_bias": True},
+    hf=HF_QWEN_MOE_NAMES.replace(
+        shared_gate_proj="mlp.shared_expert.gate_proj.weight",
+        shared_up_proj="mlp.shared_expert.up_proj.weight",
+        shared_down_proj="mlp.shared_expert.down_proj.weight",
+        shared_expert_gate="mlp.shared_expert_gate.weight",
+    ),
+    hf_architectures=("Qwen2MoeForCausalLM",),
+    hf_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+    activation_option="moe_activation",
+    sliding_opt_in=True,
+    qwen_moe=True,
+)
+QWEN3_MOE = Family(
+    "qwen3_moe",
+    {"qk_norm": True},
+    hf=HF_QWEN_MOE_NAMES,
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    hf_keys=QWEN_MOE_KEYS,
+    activation_option="moe_activation",
+    sliding_opt_in=True,
+    qwen_moe=True,
+)
 # Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
 GRANITE = Family(
     "granite",
@@ -185,7 +222,23 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, SMOLLM3, GROK):
+_ALL = (
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    QWEN2,
+    QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    GEMMA2,
+    GEMMA3,
+    PHI3,
+    GRANITE,
+    OLMO2,
+    SMOLLM3,
+    GROK,
+)
+for _family in _ALL:
     register(_family)
 
 
