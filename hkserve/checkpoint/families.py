@@ -124,24 +124,24 @@ HF_QWEN_MOE_NAMES = HF_NAMES.replace(
     expert_up="mlp.experts.{e}.up_proj.weight",
     expert_down="mlp.experts.{e}.down_proj.weight",
 )
+HF_QWEN2_MOE_NAMES = HF_QWEN_MOE_NAMES.replace(
+    shared_gate_proj="mlp.shared_expert.gate_proj.weight",
+    shared_up_proj="mlp.shared_expert.up_proj.weight",
+    shared_down_proj="mlp.shared_expert.down_proj.weight",
+    shared_expert_gate="mlp.shared_expert_gate.weight",
+)
 QWEN_MOE_KEYS = frozenset({
     "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 })  # fmt: skip
+QWEN_MOE = dict(activation_option="moe_activation", sliding_opt_in=True, qwen_moe=True)
 QWEN2_MOE = Family(
     "qwen2_moe",
     {"qkv_bias": True},
-    hf=HF_QWEN_MOE_NAMES.replace(
-        shared_gate_proj="mlp.shared_expert.gate_proj.weight",
-        shared_up_proj="mlp.shared_expert.up_proj.weight",
-        shared_down_proj="mlp.shared_expert.down_proj.weight",
-        shared_expert_gate="mlp.shared_expert_gate.weight",
-    ),
+    hf=HF_QWEN2_MOE_NAMES,
     hf_architectures=("Qwen2MoeForCausalLM",),
     hf_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
-    activation_option="moe_activation",
-    sliding_opt_in=True,
-    qwen_moe=True,
+    **QWEN_MOE,
 )
 QWEN3_MOE = Family(
     "qwen3_moe",
@@ -149,9 +149,7 @@ QWEN3_MOE = Family(
     hf=HF_QWEN_MOE_NAMES,
     hf_architectures=("Qwen3MoeForCausalLM",),
     hf_keys=QWEN_MOE_KEYS,
-    activation_option="moe_activation",
-    sliding_opt_in=True,
-    qwen_moe=True,
+    **QWEN_MOE,
 )
 # Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
 GRANITE = Family(
