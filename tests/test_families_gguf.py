@@ -1,12 +1,16 @@
-"""Every GGUF fixture (llama.cpp's own converter output for each family) through `convert` into a store:
+"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen2-MoE and Qwen3-MoE from
+tests/fixtures/gguf) through `convert` into a store:
 logits equal transformers' for the same weights, the q8_0 file is near llama.cpp's own logits, and greedy
 text generation runs with the GGUF's tokenizer."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
-from family_fixtures import GGUF, fixture, full_logits, reference
+from family_fixtures import GGUF, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
 
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.store import ModelStore
@@ -23,6 +27,8 @@ SPECIALS = {
     "tiny-phi3": (1, None),
     "tiny-qwen2": (None, None),
     "tiny-qwen3": (None, None),
+    "tiny-qwen2-moe": (None, None),
+    "tiny-qwen3-moe": (None, None),
 }
 
 
@@ -31,20 +37,26 @@ def store(tmp_path_factory) -> ModelStore:
     return ModelStore(tmp_path_factory.mktemp("gguf-home"))
 
 
-def converted(store: ModelStore, name: str, file: str):
+def converted(store: ModelStore, source: Path, file: str):
     if not store.exists(file):
-        convert(fixture("gguf", name, file), file, store, progress=False)
+        convert(source, file, store, progress=False)
     info = store.info(file)
     return build_model(info.config), store.params(file), store.tokenizer(file)
 
 
-@pytest.mark.parametrize("name", GGUF)
-def test_converted_gguf_matches_reference_and_generates_text(store, name):
-    model, params, tokenizer = converted(store, name, f"{name}.f32.gguf")
+def gguf_case(name: str) -> tuple[Path, dict, float]:
+    """(the GGUF file, the reference its logits must match, their tolerance)."""
+    if name in LOCAL_GGUF:  # tests/fixtures: the HF fixture of the same weights
+        return local_gguf(name), json.loads((local_fixture(name) / "reference.json").read_text()), 1e-4
     if name == "tiny-mistral-swa":  # llama.cpp writes Mistral as plain llama: no window in this file
-        ref, atol = reference(name, "reference_llamacpp.json", kind="gguf"), 1e-3
-    else:
-        ref, atol = reference(name), 1e-4
+        return fixture("gguf", name, f"{name}.f32.gguf"), reference(name, "reference_llamacpp.json", kind="gguf"), 1e-3
+    return fixture("gguf", name, f"{name}.f32.gguf"), reference(name), 1e-4
+
+
+@pytest.mark.parametrize("name", GGUF + LOCAL_GGUF)
+def test_converted_gguf_matches_reference_and_generates_text(store, name):
+    path, ref, atol = gguf_case(name)
+    model, params, tokenizer = converted(store, path, path.name)
     logits = full_logits(model, params, ref["input_ids"], pad_to=32)
     print(f"{name}: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
     np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=atol, rtol=0)
@@ -67,7 +79,7 @@ def test_converted_gguf_matches_reference_and_generates_text(store, name):
 
 
 def test_q8_0_gguf_is_near_llama_cpp(store):
-    model, params, _ = converted(store, "tiny-qwen2", "tiny-qwen2.q8_0.gguf")
+    model, params, _ = converted(store, fixture("gguf", "tiny-qwen2", "tiny-qwen2.q8_0.gguf"), "tiny-qwen2.q8_0.gguf")
     ref = reference("tiny-qwen2", "reference_llamacpp.q8_0.json", kind="gguf")
     logits = full_logits(model, params, ref["input_ids"])
     print(f"q8_0: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")

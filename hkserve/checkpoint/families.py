@@ -117,7 +117,7 @@ PHI3 = Family(
     gguf_sliding=True,
 )
 # Qwen-MoE: experts as mlp.experts.{e}.*, the router mlp.gate; Qwen2-MoE adds a shared expert with a sigmoid
-# gate. norm_topk_prob picks the routing (renormalised top-k or not); HF only for now.
+# gate. norm_topk_prob picks the routing (renormalised top-k or not).
 HF_QWEN_MOE_NAMES = HF_NAMES.replace(
     router="mlp.gate.weight",
     expert_gate="mlp.experts.{e}.gate_proj.weight",
@@ -135,20 +135,32 @@ QWEN_MOE_KEYS = frozenset({
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 })  # fmt: skip
 QWEN_MOE = dict(activation_option="moe_activation", sliding_opt_in=True, qwen_moe=True)
+# llama.cpp: qwen2moe never renormalises the top-k, qwen3moe always does (its build_moe_ffn norm_w).
 QWEN2_MOE = Family(
     "qwen2_moe",
     {"qkv_bias": True},
     hf=HF_QWEN2_MOE_NAMES,
+    gguf=GGUF_NAMES.replace(
+        shared_gate_proj="ffn_gate_shexp.weight",
+        shared_up_proj="ffn_up_shexp.weight",
+        shared_down_proj="ffn_down_shexp.weight",
+        shared_expert_gate="ffn_gate_inp_shexp.weight",
+    ),
     hf_architectures=("Qwen2MoeForCausalLM",),
     hf_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+    gguf_architecture="qwen2moe",
+    gguf_moe_routing="grok",
     **QWEN_MOE,
 )
 QWEN3_MOE = Family(
     "qwen3_moe",
     {"qk_norm": True},
     hf=HF_QWEN_MOE_NAMES,
+    gguf=GGUF_NAMES,
     hf_architectures=("Qwen3MoeForCausalLM",),
     hf_keys=QWEN_MOE_KEYS,
+    gguf_architecture="qwen3moe",
+    gguf_moe_routing="mixtral",
     **QWEN_MOE,
 )
 # Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.

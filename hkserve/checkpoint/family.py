@@ -100,6 +100,7 @@ class Family:
     nope_layers: bool = False  # layers without RoPE from no_rope_layers / no_rope_layer_interval (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual multipliers and logits_scaling
     qwen_moe: bool = False  # Qwen-MoE keys: num_experts, moe_intermediate_size, norm_topk_prob, sparse layers
+    gguf_moe_routing: str = ""  # the moe_routing llama.cpp fixes for the GGUF architecture (no norm_topk_prob there)
 
     def __post_init__(self):
         unknown = set(self.options) - _CONFIG_FIELDS
