@@ -1,7 +1,6 @@
 """Every GGUF fixture (llama.cpp's own converter output for each family; Qwen2-MoE and Qwen3-MoE from
-tests/fixtures/gguf) through `convert` into a store:
-logits equal transformers' for the same weights, the q8_0 file is near llama.cpp's own logits, and greedy
-text generation runs with the GGUF's tokenizer."""
+tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the same weights, the
+q8_0 file is near llama.cpp's own logits, and greedy text generation runs with the GGUF's tokenizer."""
 
 from __future__ import annotations
 
