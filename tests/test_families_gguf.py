@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from family_fixtures import GGUF, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
 
 from hkserve.checkpoint.convert import convert
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
+from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -83,3 +87,33 @@ def test_q8_0_gguf_is_near_llama_cpp(store):
     logits = full_logits(model, params, ref["input_ids"])
     print(f"q8_0: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
     np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=3e-2, rtol=0)
+
+
+def _moe_gguf(path: Path, arch: str, shared: int) -> Path:
+    """A GGUF of metadata only, with the keys llama.cpp's converter writes for Qwen-MoE."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_vocab_size(128)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(24)
+    if shared:
+        w.add_expert_shared_feed_forward_length(shared)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_qwen_moe_gguf_routing_is_llama_cpps_and_a_shared_expert_needs_its_tensor_names(tmp_path):
+    """llama.cpp fixes the routing per architecture (qwen2moe: top-k not renormalised; qwen3moe:
+    renormalised); a shared expert where the family has no tensor names for one is refused."""
+    qwen2 = config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q2.gguf", "qwen2moe", 40)))
+    assert (qwen2.moe_routing, qwen2.shared_expert_dim, qwen2.ffn_dim, qwen2.n_experts) == ("grok", 40, 24, 4)
+    qwen3 = config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3.gguf", "qwen3moe", 0)))
+    assert (qwen3.moe_routing, qwen3.shared_expert_dim) == ("mixtral", 0)
+    with pytest.raises(ImportFormatError, match="shared expert"):
+        config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3s.gguf", "qwen3moe", 40)))
