@@ -81,6 +81,8 @@ def test_moe_weight_variants_keep_the_shared_expert(name, dtype):
         ("tiny-qwen3-moe", {"attention_bias": True}, "attention_bias"),
         ("tiny-qwen3-moe", {"shared_expert_intermediate_size": 8}, "shared_expert_intermediate_size"),
         ("tiny-qwen2-moe", {"router_type": "sigmoid"}, "router_type"),
+        ("tiny-qwen2-moe", {"decoder_sparse_step": 2}, r"dense MLP layers \[0\]"),
+        ("tiny-qwen3-moe", {"mlp_only_layers": [1]}, r"dense MLP layers \[1\]"),
     ],
 )
 def test_moe_fields_the_decoder_does_not_implement_are_refused(name, change, named):
