@@ -17,6 +17,7 @@ from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.quantize import convert_params
+from hkserve.kernels import dispatch
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.sharding import param_specs
 
@@ -62,7 +63,8 @@ def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
 
 @pytest.mark.parametrize(("name", "dtype"), [("tiny-qwen2-moe", "int8"), ("tiny-qwen2-moe", "bfloat16")])
 def test_moe_weight_variants_keep_the_shared_expert(name, dtype):
-    """int8 and bf16 variants quantize or cast the shared expert and its gate like the other weights."""
+    """int8 and bf16 variants quantize or cast the shared expert and its gate like the other weights; the
+    int8 one also through the CPU kernels (the shared expert's gate|up fused and packed with the layer stack)."""
     path = local_fixture(name)
     ref = json.loads((path / "reference.json").read_text())
     config, params = load_hf(path)
@@ -72,6 +74,13 @@ def test_moe_weight_variants_keep_the_shared_expert(name, dtype):
     got = full_logits(build_model(variant_config), variant, ref["input_ids"])
     want = np.asarray(ref["logits"], np.float32)
     np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=0)
+    if dtype == "int8":
+        kernels = dispatch.resolve("auto", "int8")
+        assert kernels is not None
+        model = build_model(variant_config, kernels, "scan")
+        packed = model.prepare(variant)
+        assert "decoder/layers/moe/shared_expert/gate_up_proj" in packed
+        np.testing.assert_allclose(full_logits(model, packed, ref["input_ids"]), got, atol=1e-3 * np.abs(want).max())
 
 
 @pytest.mark.parametrize(
