@@ -1,7 +1,7 @@
 """Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
 added after ../shared/fixtures (Granite, OLMo 2, SmolLM3, Qwen2-MoE, Qwen3-MoE), built and run by
-transformers, with its logits (one forward over two 12-token rows) and greedy continuation as the
-reference the tests compare against.
+transformers, with its logits (one forward over two 12-token rows, and its cached path: a 4-token prefill,
+then one token per step) and greedy continuation as the reference the tests compare against.
 The tests read the committed files and never need transformers.
 
     .venv/bin/pip install 'transformers>=4.45' torch && .venv/bin/python scripts/make_family_fixtures.py [NAME...]
@@ -82,6 +82,16 @@ FIXTURES = {**ROPE_TYPES, **FAMILIES}
 ROWS, LENGTH, PROMPT, NEW = 2, 12, 4, 8
 
 
+def cached_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V]: transformers' own cached path, a PROMPT-token prefill then one token per step."""
+    out = model(ids[:, :PROMPT], use_cache=True)
+    rows = [out.logits]
+    for pos in range(PROMPT, ids.shape[1]):
+        out = model(ids[:, pos : pos + 1], past_key_values=out.past_key_values, use_cache=True)
+        rows.append(out.logits)
+    return torch.cat(rows, dim=1)
+
+
 def build(name: str, seed: int) -> None:
     class_name, args, note = FIXTURES[name]
     torch.manual_seed(seed)
@@ -99,6 +109,7 @@ def build(name: str, seed: int) -> None:
     ids = torch.randint(0, TINY["vocab_size"], (ROWS, LENGTH))
     with torch.no_grad():
         logits = model(ids).logits
+        cached = cached_logits(model, ids)
         greedy = model.generate(ids[:1, :PROMPT], max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
     out = OUT / name
     model.save_pretrained(out, safe_serialization=True)
@@ -107,6 +118,7 @@ def build(name: str, seed: int) -> None:
         "reference": f"transformers {transformers.__version__} {class_name.replace('Config', 'ForCausalLM')}, float32",
         "input_ids": ids.tolist(),
         "logits": logits.tolist(),
+        "cached_logits": cached.tolist(),
         "greedy_prompt": ids[0, :PROMPT].tolist(),
         "greedy_ids": greedy[0, PROMPT:].tolist(),
     }

@@ -39,6 +39,18 @@ def test_full_cached_and_engine_greedy_match_transformers(name):
     assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_cached_path_matches_transformers_cached_path(name):
+    """Our 4-token prefill then one token per step against transformers' own (its KV cache), not only
+    against its full forward: the fixtures made since scripts/make_family_fixtures.py records both."""
+    path = local_fixture(name)
+    ref = json.loads((path / "reference.json").read_text())
+    config, params = load_hf(path)
+    _, cached = full_and_cached_logits(build_model(config), params, np.asarray(ref["input_ids"], np.int32))
+    want = np.asarray(ref["cached_logits"], np.float32)
+    np.testing.assert_allclose(cached, want, atol=TOL * np.abs(want).max(), rtol=0)
+
+
 @pytest.mark.parametrize("name", ["tiny-smollm3", "tiny-olmo2", "tiny-qwen2-moe"])
 def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
     """The layer loop (the GPU default) gets each layer's RoPE switch (SmolLM3), runs without pre-norms
