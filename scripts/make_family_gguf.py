@@ -34,20 +34,14 @@ TEXT = [
 ]
 
 
+# SentencePiece BPE of the fixtures' vocabulary size, llama.cpp's specials (pad: none)
+SPM = {"vocab_size": 128, "model_type": "bpe", "unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1}
+
+
 def train_tokenizer(path: Path) -> None:
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(TEXT * 50),
-        model_writer=model,
-        vocab_size=128,
-        model_type="bpe",
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
+    trainer = sentencepiece.SentencePieceTrainer
+    trainer.train(sentence_iterator=iter(TEXT * 50), model_writer=model, hard_vocab_limit=False, minloglevel=2, **SPM)
     path.write_bytes(model.getvalue())
 
 

@@ -124,12 +124,14 @@ HF_QWEN_MOE_NAMES = HF_NAMES.replace(
     expert_up="mlp.experts.{e}.up_proj.weight",
     expert_down="mlp.experts.{e}.down_proj.weight",
 )
-HF_QWEN2_MOE_NAMES = HF_QWEN_MOE_NAMES.replace(
-    shared_gate_proj="mlp.shared_expert.gate_proj.weight",
-    shared_up_proj="mlp.shared_expert.up_proj.weight",
-    shared_down_proj="mlp.shared_expert.down_proj.weight",
-    shared_expert_gate="mlp.shared_expert_gate.weight",
+_SHARED_EXPERT = (  # neutral key, HF name, GGUF name
+    ("shared_gate_proj", "mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    ("shared_up_proj", "mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    ("shared_down_proj", "mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+    ("shared_expert_gate", "mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
 )
+HF_QWEN2_MOE_NAMES = HF_QWEN_MOE_NAMES.replace(**{key: hf for key, hf, _ in _SHARED_EXPERT})
+GGUF_QWEN2_MOE_NAMES = GGUF_NAMES.replace(**{key: gguf for key, _, gguf in _SHARED_EXPERT})
 QWEN_MOE_KEYS = frozenset({
     "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
@@ -137,32 +139,14 @@ QWEN_MOE_KEYS = frozenset({
 QWEN_MOE = dict(activation_option="moe_activation", sliding_opt_in=True, qwen_moe=True)
 # llama.cpp: qwen2moe never renormalises the top-k, qwen3moe always does (its build_moe_ffn norm_w).
 QWEN2_MOE = Family(
-    "qwen2_moe",
-    {"qkv_bias": True},
-    hf=HF_QWEN2_MOE_NAMES,
-    gguf=GGUF_NAMES.replace(
-        shared_gate_proj="ffn_gate_shexp.weight",
-        shared_up_proj="ffn_up_shexp.weight",
-        shared_down_proj="ffn_down_shexp.weight",
-        shared_expert_gate="ffn_gate_inp_shexp.weight",
-    ),
-    hf_architectures=("Qwen2MoeForCausalLM",),
+    "qwen2_moe", {"qkv_bias": True}, HF_QWEN2_MOE_NAMES, GGUF_QWEN2_MOE_NAMES, **QWEN_MOE,
+    hf_architectures=("Qwen2MoeForCausalLM",), gguf_architecture="qwen2moe", gguf_moe_routing="grok",
     hf_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
-    gguf_architecture="qwen2moe",
-    gguf_moe_routing="grok",
-    **QWEN_MOE,
-)
+)  # fmt: skip
 QWEN3_MOE = Family(
-    "qwen3_moe",
-    {"qk_norm": True},
-    hf=HF_QWEN_MOE_NAMES,
-    gguf=GGUF_NAMES,
-    hf_architectures=("Qwen3MoeForCausalLM",),
-    hf_keys=QWEN_MOE_KEYS,
-    gguf_architecture="qwen3moe",
-    gguf_moe_routing="mixtral",
-    **QWEN_MOE,
-)
+    "qwen3_moe", {"qk_norm": True}, HF_QWEN_MOE_NAMES, GGUF_NAMES, **QWEN_MOE, hf_keys=QWEN_MOE_KEYS,
+    hf_architectures=("Qwen3MoeForCausalLM",), gguf_architecture="qwen3moe", gguf_moe_routing="mixtral",
+)  # fmt: skip
 # Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
 GRANITE = Family(
     "granite",
