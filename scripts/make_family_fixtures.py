@@ -1,6 +1,7 @@
 """Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
-added after ../shared/fixtures (Granite, OLMo 2, SmolLM3), built and run by transformers, with its logits (one
-forward over two 12-token rows) and greedy continuation as the reference the tests compare against.
+added after ../shared/fixtures (Granite, OLMo 2, SmolLM3, Qwen2-MoE, Qwen3-MoE), built and run by
+transformers, with its logits (one forward over two 12-token rows, and its cached path: a 4-token prefill,
+then one token per step) and greedy continuation as the reference the tests compare against.
 The tests read the committed files and never need transformers.
 
     .venv/bin/pip install 'transformers>=4.45' torch && .venv/bin/python scripts/make_family_fixtures.py [NAME...]
@@ -50,6 +51,7 @@ ROPE_TYPES = {
         "longrope (Phi-3.5): short factors and sqrt(1 + ln 4 / ln 16) on cos/sin within the original context",
     ),
 }
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "initializer_range": 0.1}
 # name → (transformers config class, its arguments beyond TINY, note): multipliers far from 1 so each shows.
 FAMILIES = {
     "tiny-granite": (
@@ -63,9 +65,31 @@ FAMILIES = {
         "smollm3: no RoPE on its second layer (no_rope_layers [1, 0]; the real models: every 4th)",
     ),
     "tiny-olmo2": ("Olmo2Config", {}, "olmo2: norms after attention and MLP only, q/k norms over all heads"),
+    # MoE with 4 experts, 2 per token; weights drawn wider than the 0.02 default so routing and the shared
+    # expert move the logits far past the tolerance.
+    "tiny-qwen2-moe": (
+        "Qwen2MoeConfig",
+        {**MOE, "shared_expert_intermediate_size": 40, "norm_topk_prob": False},
+        "qwen2_moe: q/k/v biases, top-2 of 4 experts not renormalised, shared expert with its sigmoid gate",
+    ),
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        {**MOE, "norm_topk_prob": True},
+        "qwen3_moe: q/k norms per head, top-2 of 4 experts renormalised (norm_topk_prob), no shared expert",
+    ),
 }
 FIXTURES = {**ROPE_TYPES, **FAMILIES}
 ROWS, LENGTH, PROMPT, NEW = 2, 12, 4, 8
+
+
+def cached_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V]: transformers' own cached path, a PROMPT-token prefill then one token per step."""
+    out = model(ids[:, :PROMPT], use_cache=True)
+    rows = [out.logits]
+    for pos in range(PROMPT, ids.shape[1]):
+        out = model(ids[:, pos : pos + 1], past_key_values=out.past_key_values, use_cache=True)
+        rows.append(out.logits)
+    return torch.cat(rows, dim=1)
 
 
 def build(name: str, seed: int) -> None:
@@ -85,6 +109,7 @@ def build(name: str, seed: int) -> None:
     ids = torch.randint(0, TINY["vocab_size"], (ROWS, LENGTH))
     with torch.no_grad():
         logits = model(ids).logits
+        cached = cached_logits(model, ids)
         greedy = model.generate(ids[:1, :PROMPT], max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
     out = OUT / name
     model.save_pretrained(out, safe_serialization=True)
@@ -93,6 +118,7 @@ def build(name: str, seed: int) -> None:
         "reference": f"transformers {transformers.__version__} {class_name.replace('Config', 'ForCausalLM')}, float32",
         "input_ids": ids.tolist(),
         "logits": logits.tolist(),
+        "cached_logits": cached.tolist(),
         "greedy_prompt": ids[0, :PROMPT].tolist(),
         "greedy_ids": greedy[0, PROMPT:].tolist(),
     }

@@ -37,8 +37,12 @@ LOCAL = [
     "tiny-granite",
     "tiny-olmo2",
     "tiny-smollm3",
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
 ]
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+# llama.cpp's converter on some of those (tests/fixtures/gguf, remade by scripts/make_family_gguf.py)
+LOCAL_GGUF = ["tiny-qwen2-moe", "tiny-qwen3-moe"]
 
 
 def fixture(*parts: str) -> Path:
@@ -52,6 +56,13 @@ def local_fixture(name: str) -> Path:
     path = LOCAL_FIXTURES / name
     if not (path / "reference.json").exists():
         pytest.fail(f"missing fixture {path} (scripts/make_family_fixtures.py remakes it)")
+    return path
+
+
+def local_gguf(name: str) -> Path:
+    path = LOCAL_FIXTURES.parent / "gguf" / name / f"{name}.f32.gguf"
+    if not path.exists():
+        pytest.fail(f"missing fixture {path} (scripts/make_family_gguf.py remakes it)")
     return path
 
 

@@ -1,14 +1,21 @@
-"""Every GGUF fixture (llama.cpp's own converter output for each family) through `convert` into a store:
-logits equal transformers' for the same weights, the q8_0 file is near llama.cpp's own logits, and greedy
-text generation runs with the GGUF's tokenizer."""
+"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen2-MoE and Qwen3-MoE from
+tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the same weights, the
+q8_0 file is near llama.cpp's own logits, and greedy text generation runs with the GGUF's tokenizer."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import gguf
 import numpy as np
 import pytest
-from family_fixtures import GGUF, fixture, full_logits, reference
+from family_fixtures import GGUF, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
 
 from hkserve.checkpoint.convert import convert
+from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_reader import open_gguf
+from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -23,6 +30,8 @@ SPECIALS = {
     "tiny-phi3": (1, None),
     "tiny-qwen2": (None, None),
     "tiny-qwen3": (None, None),
+    "tiny-qwen2-moe": (None, None),
+    "tiny-qwen3-moe": (None, None),
 }
 
 
@@ -31,20 +40,26 @@ def store(tmp_path_factory) -> ModelStore:
     return ModelStore(tmp_path_factory.mktemp("gguf-home"))
 
 
-def converted(store: ModelStore, name: str, file: str):
+def converted(store: ModelStore, source: Path, file: str):
     if not store.exists(file):
-        convert(fixture("gguf", name, file), file, store, progress=False)
+        convert(source, file, store, progress=False)
     info = store.info(file)
     return build_model(info.config), store.params(file), store.tokenizer(file)
 
 
-@pytest.mark.parametrize("name", GGUF)
-def test_converted_gguf_matches_reference_and_generates_text(store, name):
-    model, params, tokenizer = converted(store, name, f"{name}.f32.gguf")
+def gguf_case(name: str) -> tuple[Path, dict, float]:
+    """(the GGUF file, the reference its logits must match, their tolerance)."""
+    if name in LOCAL_GGUF:  # tests/fixtures: the HF fixture of the same weights
+        return local_gguf(name), json.loads((local_fixture(name) / "reference.json").read_text()), 1e-4
     if name == "tiny-mistral-swa":  # llama.cpp writes Mistral as plain llama: no window in this file
-        ref, atol = reference(name, "reference_llamacpp.json", kind="gguf"), 1e-3
-    else:
-        ref, atol = reference(name), 1e-4
+        return fixture("gguf", name, f"{name}.f32.gguf"), reference(name, "reference_llamacpp.json", kind="gguf"), 1e-3
+    return fixture("gguf", name, f"{name}.f32.gguf"), reference(name), 1e-4
+
+
+@pytest.mark.parametrize("name", GGUF + LOCAL_GGUF)
+def test_converted_gguf_matches_reference_and_generates_text(store, name):
+    path, ref, atol = gguf_case(name)
+    model, params, tokenizer = converted(store, path, path.name)
     logits = full_logits(model, params, ref["input_ids"], pad_to=32)
     print(f"{name}: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
     np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=atol, rtol=0)
@@ -67,8 +82,38 @@ def test_converted_gguf_matches_reference_and_generates_text(store, name):
 
 
 def test_q8_0_gguf_is_near_llama_cpp(store):
-    model, params, _ = converted(store, "tiny-qwen2", "tiny-qwen2.q8_0.gguf")
+    model, params, _ = converted(store, fixture("gguf", "tiny-qwen2", "tiny-qwen2.q8_0.gguf"), "tiny-qwen2.q8_0.gguf")
     ref = reference("tiny-qwen2", "reference_llamacpp.q8_0.json", kind="gguf")
     logits = full_logits(model, params, ref["input_ids"])
     print(f"q8_0: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
     np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=3e-2, rtol=0)
+
+
+def _moe_gguf(path: Path, arch: str, shared: int) -> Path:
+    """A GGUF of metadata only, with the keys llama.cpp's converter writes for Qwen-MoE."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_vocab_size(128)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(24)
+    if shared:
+        w.add_expert_shared_feed_forward_length(shared)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_qwen_moe_gguf_routing_is_llama_cpps_and_a_shared_expert_needs_its_tensor_names(tmp_path):
+    """llama.cpp fixes the routing per architecture (qwen2moe: top-k not renormalised; qwen3moe:
+    renormalised); a shared expert where the family has no tensor names for one is refused."""
+    qwen2 = config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q2.gguf", "qwen2moe", 40)))
+    assert (qwen2.moe_routing, qwen2.shared_expert_dim, qwen2.ffn_dim, qwen2.n_experts) == ("grok", 40, 24, 4)
+    qwen3 = config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3.gguf", "qwen3moe", 0)))
+    assert (qwen3.moe_routing, qwen3.shared_expert_dim) == ("mixtral", 0)
+    with pytest.raises(ImportFormatError, match="shared expert"):
+        config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3s.gguf", "qwen3moe", 40)))

@@ -116,6 +116,37 @@ PHI3 = Family(
     gguf_architecture="phi3",
     gguf_sliding=True,
 )
+# Qwen-MoE: experts as mlp.experts.{e}.*, the router mlp.gate; Qwen2-MoE adds a shared expert with a sigmoid
+# gate. norm_topk_prob picks the routing (renormalised top-k or not).
+HF_QWEN_MOE_NAMES = HF_NAMES.replace(
+    router="mlp.gate.weight",
+    expert_gate="mlp.experts.{e}.gate_proj.weight",
+    expert_up="mlp.experts.{e}.up_proj.weight",
+    expert_down="mlp.experts.{e}.down_proj.weight",
+)
+_SHARED_EXPERT = (  # neutral key, HF name, GGUF name
+    ("shared_gate_proj", "mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    ("shared_up_proj", "mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    ("shared_down_proj", "mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+    ("shared_expert_gate", "mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+)
+HF_QWEN2_MOE_NAMES = HF_QWEN_MOE_NAMES.replace(**{key: hf for key, hf, _ in _SHARED_EXPERT})
+GGUF_QWEN2_MOE_NAMES = GGUF_NAMES.replace(**{key: gguf for key, _, gguf in _SHARED_EXPERT})
+QWEN_MOE_KEYS = frozenset({
+    "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+})  # fmt: skip
+QWEN_MOE = dict(activation_option="moe_activation", sliding_opt_in=True, qwen_moe=True)
+# llama.cpp: qwen2moe never renormalises the top-k, qwen3moe always does (its build_moe_ffn norm_w).
+QWEN2_MOE = Family(
+    "qwen2_moe", {"qkv_bias": True}, HF_QWEN2_MOE_NAMES, GGUF_QWEN2_MOE_NAMES, **QWEN_MOE,
+    hf_architectures=("Qwen2MoeForCausalLM",), gguf_architecture="qwen2moe", gguf_moe_routing="grok",
+    hf_keys=QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+)  # fmt: skip
+QWEN3_MOE = Family(
+    "qwen3_moe", {"qk_norm": True}, HF_QWEN_MOE_NAMES, GGUF_NAMES, **QWEN_MOE, hf_keys=QWEN_MOE_KEYS,
+    hf_architectures=("Qwen3MoeForCausalLM",), gguf_architecture="qwen3moe", gguf_moe_routing="mixtral",
+)  # fmt: skip
 # Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
 GRANITE = Family(
     "granite",
@@ -185,7 +216,23 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, SMOLLM3, GROK):
+_ALL = (
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    QWEN2,
+    QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    GEMMA2,
+    GEMMA3,
+    PHI3,
+    GRANITE,
+    OLMO2,
+    SMOLLM3,
+    GROK,
+)
+for _family in _ALL:
     register(_family)
 
 

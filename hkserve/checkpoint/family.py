@@ -48,6 +48,10 @@ class TensorNames:
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    shared_gate_proj: str = ""  # the shared expert's MLP and its sigmoid gate (Qwen2-MoE)
+    shared_up_proj: str = ""
+    shared_down_proj: str = ""
+    shared_expert_gate: str = ""
     post_attn_norm: str = ""  # sandwich norms (Gemma, grok)
     post_mlp_norm: str = ""
     q_bias: str = ""  # with qkv_bias; k_bias / v_bias by the same pattern
@@ -95,6 +99,8 @@ class Family:
     gguf_dim_scale_layers: int = 0  # layer count for which llama.cpp scales attention by dim/heads (27B)
     nope_layers: bool = False  # layers without RoPE from no_rope_layers / no_rope_layer_interval (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual multipliers and logits_scaling
+    qwen_moe: bool = False  # Qwen-MoE keys: num_experts, moe_intermediate_size, norm_topk_prob, sparse layers
+    gguf_moe_routing: str = ""  # the moe_routing llama.cpp fixes for the GGUF architecture (no norm_topk_prob there)
 
     def __post_init__(self):
         unknown = set(self.options) - _CONFIG_FIELDS
@@ -123,6 +129,8 @@ class Family:
             "qkv_bias": ("q_bias", "k_bias", "v_bias"),
             "qk_norm": ("q_norm", "k_norm"),
         }
+        if self.qwen_moe and not (names.router and names.expert_gate and names.expert_up and names.expert_down):
+            raise _not_implemented(self.name, "Qwen-MoE keys without expert tensor names")
         for option, tensors in needs.items():
             missing = [t for t in tensors if not getattr(names, t)]
             if self.options.get(option) and missing:

@@ -84,6 +84,11 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
     options = {**family.options, **_sliding(reader, family, arch, n_layers)}
     if family.soft_caps:
         options.update(_soft_caps(reader, family, arch, (dim, heads, head_dim, n_layers)))
+    if family.gguf_moe_routing:
+        options["moe_routing"] = family.gguf_moe_routing
+    shared = int(field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+    if shared and not family.gguf.shared_expert_gate:
+        raise ImportFormatError(f"{arch}: a shared expert (expert_shared_feed_forward_length) is not supported")
     if family.gguf_local_theta_key:
         options["rope_local_theta"] = float(field(reader, f"{arch}.{family.gguf_local_theta_key}", 10000.0))
     return ModelConfig(
@@ -101,6 +106,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         context_length=int(field(reader, f"{arch}.context_length", 2048)),
         n_experts=int(field(reader, f"{arch}.expert_count", 0) or 0),
         n_experts_per_token=int(field(reader, f"{arch}.expert_used_count", 2) or 2),
+        shared_expert_dim=shared,
         dtype=dtype,
         **options,
     )

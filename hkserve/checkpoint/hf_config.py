@@ -33,7 +33,8 @@ FAMILY_KEYS = {
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window_size", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
     "use_bidirectional_attention", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
-    "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
+    "logits_scaling", "no_rope_layers", "no_rope_layer_interval", "num_experts", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
 }  # fmt: skip
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -141,6 +142,27 @@ def _nope_options(family: Family, cfg: dict, n_layers: int) -> dict:
     return {"rope_layers": () if all(flags) else tuple(bool(f) for f in flags)}
 
 
+def _qwen_moe_options(family: Family, cfg: dict, n_layers: int) -> dict:
+    """Qwen-MoE's experts (moe_intermediate_size wide), its shared expert (Qwen2-MoE) and its routing:
+    norm_topk_prob renormalises the top-k of the softmax over all experts ("mixtral": a softmax over the
+    top-k logits is the same), else they stay as they are ("grok"). A layer decoder_sparse_step or
+    mlp_only_layers make dense is refused: the decoder's layers are all MoE or all dense."""
+    n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step, dense_only = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+    dense = [i for i in range(n_layers) if i in dense_only or not n_experts or (i + 1) % step]
+    if dense:
+        raise _refuse(family.name, f"dense MLP layers {dense} between MoE ones (decoder_sparse_step / mlp_only_layers)")
+    if bool(cfg.get("qkv_bias", family.options.get("qkv_bias", False))) != family.options.get("qkv_bias", False):
+        raise _refuse(family.name, f"qkv_bias {cfg['qkv_bias']}")
+    return {
+        "n_experts": n_experts,
+        "n_experts_per_token": int(cfg["num_experts_per_tok"]),
+        "ffn_dim": int(cfg["moe_intermediate_size"]),
+        "shared_expert_dim": int(cfg.get("shared_expert_intermediate_size") or 0),
+        "moe_routing": "mixtral" if cfg.get("norm_topk_prob", False) else "grok",
+    }
+
+
 def family_of(cfg: dict) -> Family:
     """The family record of an HF config, by its architecture name."""
     family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
@@ -179,6 +201,12 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
     }
     if family.activation_option:
         options[family.activation_option] = HF_ACTIVATIONS[act]
+    sizes = {
+        "ffn_dim": cfg["intermediate_size"],
+        "n_experts": int(cfg.get("num_local_experts", 0) or 0),
+        "n_experts_per_token": int(cfg.get("num_experts_per_tok", 2) or 2),
+        **(_qwen_moe_options(family, cfg, n_layers) if family.qwen_moe else {}),
+    }
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
@@ -186,11 +214,9 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        ffn_dim=cfg["intermediate_size"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
-        n_experts=int(cfg.get("num_local_experts", 0) or 0),
-        n_experts_per_token=int(cfg.get("num_experts_per_tok", 2) or 2),
         dtype=dtype,
+        **sizes,
         **options,
     )

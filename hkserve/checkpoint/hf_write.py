@@ -26,6 +26,7 @@ _LLAMA_DEFAULTS = {
     "sliding_window": 0,
     "sliding_layers": (),
     "rope_local_theta": 0.0,
+    "shared_expert_dim": 0,
 }
 
 

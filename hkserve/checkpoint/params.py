@@ -8,7 +8,9 @@ Importers speak one neutral layout, independent of the file format: a stream of
     "q_norm", "k_norm": [Dh] (with qk_norm_full: [H*Dh], [Hkv*Dh]),
     "attn_norm", "mlp_norm": [D] (unless pre_norms=False), "post_attn_norm", "post_mlp_norm": [D],
     "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
-    or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D].
+    or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D],
+    with a shared expert also "shared_gate_proj": [D, Fs], "shared_up_proj", "shared_down_proj": [Fs, D],
+    "shared_expert_gate": [D, 1].
 Linear weights are [in, out]; importers transpose from the [out, in] convention of HF and GGUF.
 """
 
@@ -47,6 +49,10 @@ _LAYER_PATHS = {
     "expert_gate": ("decoder/layers/moe", "gate_proj"),
     "expert_up": ("decoder/layers/moe", "up_proj"),
     "expert_down": ("decoder/layers/moe", "down_proj"),
+    "shared_gate_proj": ("decoder/layers/moe/shared_expert/gate_proj", "w"),
+    "shared_up_proj": ("decoder/layers/moe/shared_expert/up_proj", "w"),
+    "shared_down_proj": ("decoder/layers/moe/shared_expert/down_proj", "w"),
+    "shared_expert_gate": ("decoder/layers/moe/shared_gate", "w"),
 }
 _TOP_PATHS = {
     "embed": ("decoder/embed", "embeddings"),

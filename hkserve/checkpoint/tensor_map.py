@@ -97,12 +97,16 @@ def _norms(layer: _Layer) -> dict:
 def _ffn(layer: _Layer) -> dict:
     names = layer.names
     if layer.config.n_experts:
-        return {
+        out = {
             "router": layer.linear(names.router),
             "expert_gate": layer.experts(names.expert_gate),
             "expert_up": layer.experts(names.expert_up),
             "expert_down": layer.experts(names.expert_down),
         }
+        if layer.config.shared_expert_dim:
+            shared = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
+            out.update({key: layer.linear(getattr(names, key)) for key in shared})
+        return out
     if names.gate_up_proj:  # rows: [gate | up]
         gate, up = (w.T for w in np.split(layer.raw(names.gate_up_proj), 2))
     else:

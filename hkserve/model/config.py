@@ -41,6 +41,8 @@ class ModelConfig:
         "mixtral"  # mixtral: softmax over the top-k logits | grok: softmax over all, top-k, not renormalised
     )
     moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact
+    shared_expert_dim: int = 0  # with n_experts: a gated MLP of this width that every token uses, scaled by
+    # sigmoid(x @ shared_gate), added to the routed experts (Qwen2-MoE); 0 = none
     moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
     # Options of other families (defaults = plain Llama); docs in README "Supported model families"
     mlp_activation: str = "silu"  # dense MLP's gate: silu (SwiGLU) | gelu (tanh approximation: Gemma's GeGLU)
@@ -72,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
             raise ValueError(f"n_experts_per_token={self.n_experts_per_token} not in 1..{self.n_experts}")
+        if self.shared_expert_dim and not self.n_experts:
+            raise ValueError("shared_expert_dim needs n_experts (a shared expert sits beside routed ones)")
         if self.memory not in ("kv", "vq"):
             raise ValueError(f"unknown memory kind {self.memory!r} (supported: 'kv', 'vq')")
         if self.memory == "vq":
@@ -152,6 +156,7 @@ class ModelConfig:
         qk_norm_width = (self.n_heads + self.n_kv_heads) * self.head_dim if self.qk_norm_full else 2 * self.head_dim
         attn += qk_norm_width if self.qk_norm else 0
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
+        ffn += (3 * self.dim * self.shared_expert_dim + self.dim) if self.shared_expert_dim else 0
         norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms else 0)
         per_layer = attn + ffn + norms * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim

@@ -213,7 +213,8 @@ class MoE(hk.Module):
     Routing "mixtral": gates = softmax over the k selected router logits. Routing "grok": softmax over
     all experts, top-k, gates not renormalised. Unless `moe_dense`, experts no token selected are
     skipped (lax.cond in a scan over experts), so a decode step reads only the used experts' weights —
-    with few tokens in flight that is k of E experts; grok-1's released code runs all of them.
+    with few tokens in flight that is k of E experts; grok-1's released code runs all of them. With
+    `shared_expert_dim`, a gated MLP every token uses is added (Qwen2-MoE's shared expert).
     """
 
     def __init__(self, config: ModelConfig, name: str = "moe"):
@@ -245,11 +246,21 @@ class MoE(hk.Module):
 
         if c.moe_dense:
             y = jax.vmap(expert, out_axes=2)(jnp.arange(e))  # [B, T, E, D]
-            return jnp.einsum("bted,bte->btd", y, gates)
+            return jnp.einsum("bted,bte->btd", y, gates) + _shared_expert(c, x)
 
         def add_expert(acc, i):
             gate = gates[..., i]  # [B, T]
             out = jax.lax.cond(jnp.any(gate > 0), lambda: expert(i) * gate[..., None], lambda: jnp.zeros_like(acc))
             return acc + out, None
 
-        return jax.lax.scan(add_expert, jnp.zeros(x.shape[:-1] + (d,), F32), jnp.arange(e))[0]
+        return jax.lax.scan(add_expert, jnp.zeros(x.shape[:-1] + (d,), F32), jnp.arange(e))[0] + _shared_expert(c, x)
+
+
+def _shared_expert(c: ModelConfig, x: jax.Array) -> jax.Array | float:
+    """The shared expert every token goes through (Qwen2-MoE), scaled by its own sigmoid gate; 0 without.
+    A function, not a method, so its params sit at moe/shared_expert and moe/shared_gate."""
+    if not c.shared_expert_dim:
+        return 0.0
+    shared = MLP(c.replace(ffn_dim=c.shared_expert_dim, mlp_activation=c.moe_activation), name="shared_expert")
+    gate = jax.nn.sigmoid(Linear(1, param_dtype(c), "shared_gate")(x))  # [B, T, 1]
+    return shared(x) * gate

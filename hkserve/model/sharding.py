@@ -50,17 +50,24 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/moe/router/w$", P(None, None, None), None),  # [L, D, E]
     (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model"), None),  # [L, E, D, F]
     (r"decoder/layers/moe/down_proj$", P(None, None, "model", None), None),  # [L, E, F, D]
+    (r"decoder/layers/moe/shared_expert/(gate_proj|up_proj)/w$", P(None, None, "model"), None),  # [L, D, Fs]
+    (r"decoder/layers/moe/shared_expert/down_proj/w$", P(None, "model", None), None),  # [L, Fs, D]
+    (r"decoder/layers/moe/shared_gate/w$", P(None, None, None), None),  # [L, D, 1]
     # int8 weights' per-output-channel scales follow their weight's output dim
     (r"decoder/embed/scale$", P("model"), None),  # [V]
     (r"decoder/lm_head/scale$", P("model"), None),  # [V]
     (r"decoder/layers/attention/q_proj/scale$", P(None, "model"), "n_heads"),  # [L, H*Dh]
     (r"decoder/layers/attention/(k_proj|v_proj)/scale$", P(None, "model"), "n_kv_heads"),
-    (r"decoder/layers/(attention/o_proj|mlp/down_proj|moe/router)/scale$", P(None, None), None),  # [L, D|E]
-    (r"decoder/layers/mlp/(gate_proj|up_proj)/scale$", P(None, "model"), None),  # [L, F]
+    (
+        r"decoder/layers/(attention/o_proj|(mlp|moe/shared_expert)/down_proj|moe/router|moe/shared_gate)/scale$",
+        P(None, None),
+        None,
+    ),  # [L, D|E|1]
+    (r"decoder/layers/(mlp|moe/shared_expert)/(gate_proj|up_proj)/scale$", P(None, "model"), None),  # [L, F]
     (r"decoder/layers/moe/(gate_proj|up_proj)_scale$", P(None, None, "model"), None),  # [L, E, F]
     (r"decoder/layers/moe/down_proj_scale$", P(None, None, None), None),  # [L, E, D]
     # the CPU kernels' fused projections (model/packing.py), on a 1x1 mesh: replicated
-    (r"decoder/layers/(attention/qkv_proj|mlp/gate_up_proj)/scale$", P(None, None), None),  # [L, N]
+    (r"decoder/layers/(attention/qkv_proj|(mlp|moe/shared_expert)/gate_up_proj)/scale$", P(None, None), None),
     # Transformer-VQ
     (r"decoder/out_bias/b$", P("model"), None),  # [V]
     (r"decoder/layers/gau/input_norm/(scale|bias)$", P(None, None), None),  # [G, D]

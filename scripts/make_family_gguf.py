@@ -1,0 +1,73 @@
+"""Remake tests/fixtures/gguf/*: llama.cpp's own converter (`convert_hf_to_gguf.py --outtype f32`) run on
+the HF fixtures of tests/fixtures/hf that llama.cpp has an architecture for (Qwen2-MoE, Qwen3-MoE). The
+weights are the HF fixture's, so a correct GGUF import reproduces that fixture's reference.json.
+
+The converter is the one vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, as ../shared/fixtures/gguf):
+
+    .venv/bin/pip download --no-deps --no-binary :all: -d /tmp llama-cpp-python==0.3.36
+    tar xzf /tmp/llama_cpp_python-0.3.36.tar.gz -C /tmp
+    .venv/bin/pip install 'transformers>=4.45' torch sentencepiece
+    .venv/bin/python scripts/make_family_gguf.py /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [NAME...]
+
+The tiny checkpoints have no tokenizer: one is trained here (SentencePiece BPE, 128 pieces, unk 0, <s> 1,
+</s> 2) and the converter is told to read it as SentencePiece (its Qwen-MoE path expects a GPT-2 BPE
+tokenizer.json of a known pre-tokenizer); only the tokenizer metadata depends on that, never a weight.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import sentencepiece
+
+ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+NAMES = ["tiny-qwen2-moe", "tiny-qwen3-moe"]
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "pack my box with five dozen liquor jugs",
+    "how vexingly quick daft zebras jump",
+    "sphinx of black quartz judge my vow",
+]
+
+
+# SentencePiece BPE of the fixtures' vocabulary size, llama.cpp's specials (pad: none)
+SPM = {"vocab_size": 128, "model_type": "bpe", "unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1}
+
+
+def train_tokenizer(path: Path) -> None:
+    model = io.BytesIO()
+    trainer = sentencepiece.SentencePieceTrainer
+    trainer.train(sentence_iterator=iter(TEXT * 50), model_writer=model, hard_vocab_limit=False, minloglevel=2, **SPM)
+    path.write_bytes(model.getvalue())
+
+
+def convert(llama_cpp: Path, name: str) -> None:
+    sys.path.insert(0, str(llama_cpp))
+    import convert_hf_to_gguf  # llama.cpp's, found through its directory only
+    from conversion import qwen
+
+    qwen.Qwen2MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
+    out = ROOT / "gguf" / name
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / name  # the converter names the model after its directory
+        model.mkdir()
+        for file in ("config.json", "model.safetensors"):
+            shutil.copy(ROOT / "hf" / name / file, model / file)
+        train_tokenizer(model / "tokenizer.model")
+        sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", "f32", "--outfile", str(out / f"{name}.f32.gguf")]
+        convert_hf_to_gguf.main()
+
+
+def main() -> None:
+    llama_cpp = Path(sys.argv[1])
+    for name in sys.argv[2:] or NAMES:
+        convert(llama_cpp, name)
+
+
+if __name__ == "__main__":
+    main()
