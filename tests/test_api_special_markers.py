@@ -14,20 +14,15 @@ import openai.types.responses as R
 import pytest
 from http_helpers import FakeRunner, LiveServer, sse_events, validate
 from sdk_types import strict, strict_message_event, strict_response_event, typed_events
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
+from special_tokenizer import ARGS, END_THINK, PYTHON_TAG, THINK, TOKENIZER, TOOL_CALLS, ids
 
 from hkserve.api.app import create_app
 from hkserve.api.reply import Markers
 from hkserve.api.tool_parsers import MARKERS, special_tokens
 from hkserve.api.tools import parse_tools
-from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.train.vocab import byte_tokenizer
 
-EOS, TOOL_CALLS, ARGS, PYTHON_TAG = "<|eos|>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
-THINK, END_THINK = "<think>", "</think>"
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 PARIS = ("get_weather", {"city": "Paris"})
@@ -43,31 +38,6 @@ OUTPUTS = {
     ),
     "mistral not a call": ("mistral", ["A", TOOL_CALLS, "B"], "AB", []),  # the marker never reaches a client
 }
-
-
-def special_tokenizer() -> Tokenizer:
-    """One token per byte, and EOS, the three call markers and the reasoning tags as special (added,
-    skipped by a decode) tokens."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (EOS, TOOL_CALLS, ARGS, PYTHON_TAG, THINK, END_THINK)]
-    )
-    return Tokenizer("hf", backend, bos_id=None, eos_id=backend.token_to_id(EOS), chat_template=TEMPLATE)
-
-
-TOKENIZER = special_tokenizer()
-
-
-def ids(pieces: list[str]) -> list[int]:
-    """The pieces as the model writes them: a marker as its one special token, text byte by byte."""
-    out: list[int] = []
-    for piece in pieces:
-        marker = TOKENIZER.special_id(piece)
-        out += [marker] if marker is not None else TOKENIZER.encode(piece)
-    return out
 
 
 @pytest.fixture
