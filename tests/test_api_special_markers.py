@@ -14,23 +14,19 @@ import openai.types.responses as R
 import pytest
 from http_helpers import FakeRunner, LiveServer, sse_events, validate
 from sdk_types import strict, strict_message_event, strict_response_event, typed_events
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
+from special_tokenizer import ARGS, END_THINK, PYTHON_TAG, THINK, TOKENIZER, TOOL_CALLS, ids
 
 from hkserve.api.app import create_app
 from hkserve.api.reply import Markers
 from hkserve.api.tool_parsers import MARKERS, special_tokens
 from hkserve.api.tools import parse_tools
-from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.engine.constrained import GrammarCompiler
 from hkserve.train.vocab import byte_tokenizer
 
-EOS, TOOL_CALLS, ARGS, PYTHON_TAG = "<|eos|>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
-THINK, END_THINK = "<think>", "</think>"
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 PARIS = ("get_weather", {"city": "Paris"})
+MARKER_STOPS = ["TOOL", "ARGS]", "<|", "python_tag"]  # in the markers' texts, in no text a client sees
 # (parser, the model's output as (special token | text) pieces, the content a client sees, the calls)
 OUTPUTS = {
     "mistral list": ("mistral", [TOOL_CALLS, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'], "", [PARIS]),
@@ -43,31 +39,6 @@ OUTPUTS = {
     ),
     "mistral not a call": ("mistral", ["A", TOOL_CALLS, "B"], "AB", []),  # the marker never reaches a client
 }
-
-
-def special_tokenizer() -> Tokenizer:
-    """One token per byte, and EOS, the three call markers and the reasoning tags as special (added,
-    skipped by a decode) tokens."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (EOS, TOOL_CALLS, ARGS, PYTHON_TAG, THINK, END_THINK)]
-    )
-    return Tokenizer("hf", backend, bos_id=None, eos_id=backend.token_to_id(EOS), chat_template=TEMPLATE)
-
-
-TOKENIZER = special_tokenizer()
-
-
-def ids(pieces: list[str]) -> list[int]:
-    """The pieces as the model writes them: a marker as its one special token, text byte by byte."""
-    out: list[int] = []
-    for piece in pieces:
-        marker = TOKENIZER.special_id(piece)
-        out += [marker] if marker is not None else TOKENIZER.encode(piece)
-    return out
 
 
 @pytest.fixture
@@ -122,9 +93,10 @@ def test_the_tool_grammar_lets_the_model_write_a_special_marker_as_its_token(pie
         assert all(matcher.consume_token(t) for t in ids(["Sure.", *pieces]) + [TOKENIZER.eos_id])
 
 
-def chat(server: LiveServer, stream: bool) -> tuple[str | None, list[tuple[str, dict]], str]:
+def chat(server: LiveServer, stream: bool, stop: list[str] | None = None) -> tuple[str | None, list, str]:
     """(content, calls, finish_reason) of a chat reply, reassembled from the chunks when streamed."""
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER], "max_tokens": 100}
+    body["stop"] = stop
     if not stream:
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
         validate(r.json(), "CreateChatCompletionResponse")
@@ -144,11 +116,13 @@ def chat(server: LiveServer, stream: bool) -> tuple[str | None, list[tuple[str, 
     return content, [(n, json.loads(a)) for n, a in calls.values()], chunks[-1]["choices"][0]["finish_reason"]
 
 
+@pytest.mark.parametrize("stop", [None, MARKER_STOPS], ids=["no stop", "stops in the markers"])
 @pytest.mark.parametrize("case", OUTPUTS)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_chat_reads_calls_after_special_markers_and_never_shows_them(serve, case, stream):
+def test_chat_reads_calls_after_special_markers_and_never_shows_them(serve, case, stream, stop):
+    """A stop string matches only the text a client sees (engine/textstream.py), never a marker's."""
     fmt, pieces, content, calls = OUTPUTS[case]
-    got_content, got_calls, reason = chat(serve(fmt, pieces), stream)
+    got_content, got_calls, reason = chat(serve(fmt, pieces), stream, stop)
     assert got_calls == calls
     assert (got_content or "") == content
     assert reason == ("tool_calls" if calls else "stop")
@@ -172,11 +146,14 @@ def test_responses_auto_tool_choice_returns_the_models_call_as_a_function_call_i
     assert (call.name, json.loads(call.arguments)) == PARIS and call.call_id.startswith("call_")
 
 
+@pytest.mark.parametrize("stop", [None, MARKER_STOPS], ids=["no stop", "stops in the markers"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_messages_auto_tool_choice_returns_the_models_call_as_a_tool_use_block(serve, stream):
+def test_messages_auto_tool_choice_returns_the_models_call_as_a_tool_use_block(serve, stream, stop):
     server = serve(*OUTPUTS["llama3 after text"][:2])
     tool = {"name": "get_weather", "input_schema": CITY}
     body = {"model": "m", "max_tokens": 100, "tools": [tool], "tool_choice": {"type": "auto"}}
+    if stop:
+        body["stop_sequences"] = stop
     body["messages"] = [{"role": "user", "content": "Weather in Paris?"}]
     if not stream:
         reply = strict(A.Message, httpx.post(server.url + "/v1/messages", json=body, timeout=30).json())
@@ -230,3 +207,54 @@ def test_special_reasoning_tags_split_the_reasoning_and_never_show(serve, stream
             for t in d.get("tool_calls", [])
         ]
     assert (reasoning, content, calls) == ("Hmm.", "Hi.", [PARIS])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_in_the_visible_text_still_ends_a_reply_with_markers(serve, stream):
+    """The stop check still runs on what a client sees: "B" after a kept marker ends the reply there."""
+    content, calls, reason = chat(serve(*OUTPUTS["mistral not a call"][:2]), stream, ["B"])
+    assert (content or "", calls, reason) == ("A", [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_skip_the_markers_and_a_stop_in_one_never_matches(serve, stream):
+    """Completions take no tools: nothing is kept, a marker decodes as nothing, as before markers were kept."""
+    server = serve("mistral", ["A", TOOL_CALLS, "B", ARGS, "C"])
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 100, "stop": MARKER_STOPS + ["["], "stream": stream}
+    if not stream:
+        choice = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("ABC", "stop")
+        return
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = sse_events(r)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ABC"
+
+
+def test_responses_take_no_stop_strings(serve):
+    """/v1/responses has no stop parameter (OpenAI's Responses API has none): refused, never ignored."""
+    server = serve(*OUTPUTS["mistral [ARGS]"][:2])
+    body = {"model": "m", "input": "Hi", "stop": ["TOOL"], "tools": [{"type": "function", **WEATHER["function"]}]}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "stop" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_and_usage_count_a_kept_marker_as_its_one_token(serve, stream):
+    fmt, pieces = OUTPUTS["mistral [ARGS]"][:2]
+    server, tokens = serve(fmt, pieces), ids(pieces)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "max_tokens": 100, "logprobs": True}
+    if not stream:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()
+        entries, usage = reply["choices"][0]["logprobs"]["content"], reply["usage"]
+    else:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            chunks = sse_events(r)[:-1]
+        entries = [
+            e for c in chunks if c["choices"] for e in (c["choices"][0].get("logprobs") or {}).get("content", [])
+        ]
+        usage = chunks[-1]["usage"]
+    assert [bytes(e["bytes"]) for e in entries] == [TOKENIZER.token_bytes(t) for t in tokens]  # EOS shows none
+    assert [e["token"] for e in entries if e["token"] in (TOOL_CALLS, ARGS)] == [TOOL_CALLS, ARGS]
+    assert usage["completion_tokens"] == len(tokens) + 1  # EOS counted

@@ -11,8 +11,8 @@ from hkserve.api.context import ServerContext
 from hkserve.api.generation import Generation
 from hkserve.api.protocol import APIError
 from hkserve.api.structured import FieldError, response_format_spec
-from hkserve.api.tool_parsers import special_tokens
-from hkserve.api.tools import Tools, parse_tools, render_messages
+from hkserve.api.tool_parsers import model_tools
+from hkserve.api.tools import Tools, render_messages
 from hkserve.engine.constrained import GrammarSpec
 from hkserve.model.sampling import SamplingParams
 
@@ -22,9 +22,8 @@ def chat_tools(
 ) -> Tools | None:
     """OpenAI chat-shaped tools as tools.py reads them, written in the model's call format
     (--tool-call-parser: ServerContext.tool_format); a 400 naming `param` when they cannot be."""
-    special = special_tokens(ctx.tokenizer, ctx.tool_format)
     try:
-        return parse_tools(tools, choice, parallel, ctx.tool_format, special)
+        return model_tools(ctx.tokenizer, ctx.tool_format, tools, choice, parallel)
     except FieldError as e:
         raise APIError(400, str(e), param=param if e.param == "tools" else e.param) from None
 

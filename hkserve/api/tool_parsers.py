@@ -20,8 +20,9 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from hkserve.api.tools import CallDelta, CallParser, ToolCallParser, held
+from hkserve.api.tools import CallDelta, CallParser, ToolCallParser, Tools, held, parse_tools
 from hkserve.checkpoint.tokenizer import Tokenizer
 
 FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
@@ -172,6 +173,13 @@ def special_tokens(tokenizer: Tokenizer, fmt: str) -> dict[str, int]:
     the grammar writes them as tokens, the detokenizer keeps them for the parser)."""
     found = {marker: tokenizer.special_id(marker) for marker in MARKERS[fmt]}
     return {marker: i for marker, i in found.items() if i is not None}
+
+
+def model_tools(tokenizer: Tokenizer, fmt: str, tools: Any, choice: Any, parallel: Any) -> Tools | None:
+    """A request's tools written in the model's call format `fmt`, its markers that are special tokens
+    as those tokens (a grammar that spelled one as text would ban the token the model writes it with).
+    The chat routes and `hkserve sample` alike; raises FieldError as parse_tools does."""
+    return parse_tools(tools, choice, parallel, fmt, special_tokens(tokenizer, fmt))
 
 
 def detect(template: str | None) -> str:

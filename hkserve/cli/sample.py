@@ -3,7 +3,8 @@
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optionally with their own
 max_tokens / stop / ignore_eos, any field of SamplingParams (temperature, top_p, top_k, min_p, seed,
 penalties, logit_bias), and what the output must match as in the HTTP API: response_format,
-structured_outputs, or (with messages) tools / tool_choice / parallel_tool_calls. Output lines, one per
+structured_outputs, or (with messages) tools / tool_choice / parallel_tool_calls (in the model's call
+format, --tool-call-parser, read as the chat route reads it). Output lines, one per
 input line and in input order: {"id", "text", "finish_reason", "usage"} (plus "tool_calls" when the
 line has tools and the model called them) or {"id", "error"}.
 
@@ -27,8 +28,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hkserve.api import tool_parsers
+from hkserve.api.reply import Markers, ReplyParser
 from hkserve.api.structured import output_spec
-from hkserve.api.tools import ToolCallParser, parse_tools, render_messages
+from hkserve.api.tools import render_messages
 from hkserve.cli.loading import (
     LoadOptions,
     add_kv_arguments,
@@ -55,6 +58,12 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tool_parsers.CHOICES,
+        default="auto",
+        help="the format the model writes tool calls in, as `hkserve serve` (auto: from the chat template)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_prefix_cache_argument(p)
     add_kv_arguments(p)
@@ -104,7 +113,7 @@ class Job:
 
     def __init__(self, index: int, raw: str, args, tokenizer, max_len: int, compiler=None):
         self.index, self.error, self.request, self.stop = index, None, None, []
-        self.compiler, self.tools = compiler, None
+        self.compiler, self.tools, self.markers = compiler, None, Markers()
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -121,8 +130,11 @@ class Job:
         if not isinstance(record, dict):
             raise ValueError("each line must be a JSON object")
         if isinstance(record.get("messages"), list):
-            tools = parse_tools(record.get("tools"), record.get("tool_choice"), record.get("parallel_tool_calls"))
+            fmt = tool_parsers.choose(args.tool_call_parser, tokenizer.chat_template)
+            choice, parallel = record.get("tool_choice"), record.get("parallel_tool_calls")
+            tools = tool_parsers.model_tools(tokenizer, fmt, record.get("tools"), choice, parallel)
             self.tools = tools if tools is not None and tools.active else None
+            self.markers = Markers.of(tokenizer, self.tools)  # kept for the parser, hidden from the text
             messages, defs = render_messages(record["messages"], tools, tokenizer.template_takes_tools)
             prompt_ids = tokenizer.encode(tokenizer.render_chat(messages, tools=defs), add_bos=False)
         elif isinstance(record.get("prompt"), str):
@@ -155,7 +167,7 @@ async def _complete(job: Job, runner, tokenizer) -> dict:
             await asyncio.sleep(0.01)
         except ValueError as e:
             return {"id": job.id, "error": str(e)}
-    completion = Completion(stream, tokenizer, runner.cancel, job.stop)
+    completion = Completion(stream, tokenizer, runner.cancel, job.stop, job.markers.ids)
     try:
         async for _ in completion:
             pass
@@ -163,8 +175,8 @@ async def _complete(job: Job, runner, tokenizer) -> dict:
         return {"id": job.id, "error": str(e)}
     result = {"id": job.id, "text": completion.text, "finish_reason": completion.finish_reason}
     if job.tools is not None:
-        parser = ToolCallParser(text_content=job.tools.choice == "auto")
-        result["text"], _ = parser.feed(completion.text, final=True)
+        parser = ReplyParser(None, job.tools, job.markers)
+        result["text"] = parser.feed(completion.text, final=True).content
         if parser.calls:
             result["tool_calls"] = parser.calls
             result["finish_reason"] = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason

@@ -11,8 +11,8 @@ from hkserve.api.generation import Generation
 from hkserve.api.protocol import APIError, ChatRequest
 from hkserve.api.streaming import respond
 from hkserve.api.structured import FieldError
-from hkserve.api.tool_parsers import special_tokens
-from hkserve.api.tools import parse_tools, render_messages
+from hkserve.api.tool_parsers import model_tools
+from hkserve.api.tools import render_messages
 
 router = APIRouter()
 
@@ -22,8 +22,7 @@ async def chat(request: Request, ctx: Context):
     body, sampling = await prepare.parse_generation(ctx, request, ChatRequest)
     prepare.check_choices(ctx, 1, body.n)
     try:
-        special = special_tokens(ctx.tokenizer, ctx.tool_format)
-        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_format, special)
+        tools = model_tools(ctx.tokenizer, ctx.tool_format, body.tools, body.tool_choice, body.parallel_tool_calls)
     except FieldError as e:
         raise APIError(400, str(e), param=e.param) from None
     messages, tool_defs = render_messages(body.template_messages(), tools, ctx.tokenizer.template_takes_tools)
