@@ -12,6 +12,8 @@ function still counts. JAX's trace caches are cleared per mutant; the persistent
     .venv/bin/python tests/mutate_inprocess.py hkserve/model/sampling.py tests/test_sampling.py out.json
 
 Results go to out.json ({mutant: [status, first failure, seconds]}), and it resumes from that file.
+An optional fourth argument keeps only the mutants of the functions it names (comma-separated, e.g.
+`copy_prefix,set_table`), for a test file that checks part of a module.
 Only for test files whose tests take no fixtures (parametrize is fine)."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 
-def main(module: str, test_file: str, out_path: str) -> None:
+def main(module: str, test_file: str, out_path: str, functions: str = "") -> None:
     out = Path(out_path).resolve()
     os.chdir("mutants")
     sys.path[:0] = [os.getcwd(), str(Path("tests").resolve())]
@@ -47,6 +49,8 @@ def main(module: str, test_file: str, out_path: str) -> None:
     durations = json.loads(Path("mutmut-stats.json").read_text())["duration_by_test"]
     items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
     names = sorted(json.loads(Path(module + ".meta").read_text())["exit_code_by_key"])
+    if functions:  # mutmut's names: module.x_function__mutmut_N (x_Classǁmethod__mutmut_N for methods)
+        names = [n for n in names if n.rsplit("__mutmut_", 1)[0].rsplit(".x_", 1)[-1] in functions.split(",")]
 
     def run(name: str) -> tuple[str, str | None]:
         os.environ["MUTANT_UNDER_TEST"] = name

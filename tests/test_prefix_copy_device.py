@@ -5,6 +5,8 @@ every shared block, the block table, the other state fields). Fast enough to sco
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -40,8 +42,12 @@ def _paged(rng: np.random.Generator, table: np.ndarray) -> DecodeState:
 
 
 def _copy(state: DecodeState, tokens, source: int, dest: int, length: int, source_row) -> DecodeState:
+    """copy_prefix through jit, as the engine calls it; a warning while tracing fails (JAX warns of an
+    implicit unsafe cast, e.g. float into the bool prompt set, that its later releases refuse)."""
     args = [np.asarray(tokens, np.int32), *(np.asarray([x], np.int32) for x in (source, dest, length))]
-    out = jax.jit(copy_prefix)(state, *args, np.asarray(source_row, np.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jax.jit(copy_prefix)(state, *args, np.asarray(source_row, np.int32))
     return jax.tree_util.tree_map(np.asarray, out)
 
 
