@@ -13,7 +13,9 @@ function still counts. JAX's trace caches are cleared per mutant; the persistent
 
 Results go to out.json ({mutant: [status, first failure, seconds]}), and it resumes from that file.
 A mutant whose tests run past TIMEOUT_S (an endless loop) is stopped and counted killed, as mutmut
-counts a timeout. Only for test files whose tests take no fixtures (parametrize is fine)."""
+counts a timeout. An optional fourth argument keeps only the mutants of the functions it names
+(comma-separated, e.g. `copy_prefix,set_table`), for a test file that checks part of a module.
+Only for test files whose tests take no fixtures (parametrize is fine)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _timed_out(signum, frame):
     raise MutantTimeout
 
 
-def main(module: str, test_file: str, out_path: str) -> None:
+def main(module: str, test_file: str, out_path: str, functions: str = "") -> None:
     out = Path(out_path).resolve()
     os.chdir("mutants")
     sys.path[:0] = [os.getcwd(), str(Path("tests").resolve())]
@@ -59,6 +61,8 @@ def main(module: str, test_file: str, out_path: str) -> None:
     durations = json.loads(Path("mutmut-stats.json").read_text())["duration_by_test"]
     items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
     names = sorted(json.loads(Path(module + ".meta").read_text())["exit_code_by_key"])
+    if functions:  # mutmut's names: module.x_function__mutmut_N (x_Classǁmethod__mutmut_N for methods)
+        names = [n for n in names if n.rsplit("__mutmut_", 1)[0].rsplit(".x_", 1)[-1] in functions.split(",")]
 
     def run(name: str) -> tuple[str, str | None]:
         os.environ["MUTANT_UNDER_TEST"] = name

@@ -1,6 +1,6 @@
 """The host side of prefix_copy.py, without a model: where a prefill with a reused prefix starts (and
 what it refuses before any device work), and how a prompt is cut into prefill chunks. The device copy
-itself: test_prefix_cache.py and test_prefix_reuse_edges.py."""
+itself: test_prefix_copy_device.py, and with the model test_prefix_cache.py and test_prefix_reuse_edges.py."""
 
 from __future__ import annotations
 
