@@ -136,7 +136,7 @@ def main() -> None:
                 ra, rb = runs[a][prompt], runs[b][prompt]
                 corr, rel = compare(ra.logits, rb.logits)
                 agree = agreement(ra.greedy, rb.greedy)
-                print(f"| {prompt} ({len(ra.ids)}) | {a} vs {b} | {agree}/{NEW_TOKENS} | {corr:.5f} | {rel:.4f} |")
+                print(f"| {prompt} ({len(ra.ids)}) | {a} vs {b} | {agree}/{NEW_TOKENS} | {corr:.5f} | {rel:.2e} |")
 
 
 if __name__ == "__main__":
