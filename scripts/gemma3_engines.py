@@ -24,12 +24,12 @@ WIDTH = 1024  # one forward width and one prefill bucket for every prompt (the l
 
 
 def hkserve_runs(gguf: Path, cache: Path, prompts: dict[str, str], weights: str) -> dict[str, Run]:
-    """hkserve's float32 expansion of the file, or its int4 variant (`hkserve pull --weights int4`)."""
+    """hkserve's float32 expansion of the file, or its int8 / int4 variant (`hkserve pull --weights V`)."""
     store = ModelStore(cache / "home")
     if not store.exists(NAME):
         convert(gguf, NAME, store, progress=False)
-    variant = "int4" if weights == "int4" else None
-    if variant and not (store.path(NAME) / "int4").exists():
+    variant = None if weights == "float32" else weights  # int8: made from the master when first asked for
+    if variant == "int4" and not (store.path(NAME) / "int4").exists():
         store_gguf_int4(gguf, NAME, store, progress=False)
     config, params = store.config(NAME, variant), store.params(NAME, weights=variant)
     model = build_model(config)

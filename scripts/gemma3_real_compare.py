@@ -6,7 +6,7 @@ Prints, per prompt, the greedy agreement length of 32 tokens and the logits' Pea
 file's blocks to float; llama.cpp also quantizes the activations for its k-quant products (Q8_K), so the
 first two should agree more closely with each other than either does with llama.cpp.
 
-    .venv/bin/python scripts/gemma3_real_compare.py [--cache DIR] [--int4]
+    .venv/bin/python scripts/gemma3_real_compare.py [--cache DIR] [--int4] [--int8] [--hkserve-only]
 
 Needs the `llama` and `bench` extras (llama-cpp-python, torch, transformers). tests/test_gemma3_real.py
 keeps the measured levels.
@@ -120,14 +120,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", type=Path, default=CACHE)
     p.add_argument("--int4", action="store_true", help="also the int4 variant (`--weights int4`)")
+    p.add_argument("--int8", action="store_true", help="also the int8 variant (the file's CPU default)")
+    p.add_argument("--hkserve-only", action="store_true", help="no llama.cpp and transformers runs")
     args = p.parse_args()
     gguf = fetch(args.cache)
     runs = {"hkserve f32": hkserve_runs(gguf, args.cache, PROMPTS, "float32")}
-    if args.int4:
-        runs["hkserve int4"] = hkserve_runs(gguf, args.cache, PROMPTS, "int4")
+    for variant in [v for v in ("int8", "int4") if getattr(args, v)]:
+        runs[f"hkserve {variant}"] = hkserve_runs(gguf, args.cache, PROMPTS, variant)
     ids = {k: r.ids for k, r in runs["hkserve f32"].items()}
-    runs["llama.cpp"] = llama_runs(gguf, ids)
-    runs["transformers"] = hf_runs(gguf, ids)
+    if not args.hkserve_only:
+        runs["llama.cpp"] = llama_runs(gguf, ids)
+        runs["transformers"] = hf_runs(gguf, ids)
     names = list(runs)
     print("| prompt (tokens) | pair | greedy agreement | min corr | max rel diff |\n|---|---|---|---|---|")
     for prompt in PROMPTS:
