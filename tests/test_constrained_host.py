@@ -221,6 +221,29 @@ def test_a_json_object_slot_is_closed_before_its_budget_runs_out_and_says_it_was
     assert table.advance(0, ord("{") + 3) == Advance(True, False)  # a new request starts uncut
 
 
+def test_a_resumed_slot_continues_where_its_generated_tokens_left_its_grammar():
+    """A preempted request's matcher (issue 34, step 3): a fresh one fed its tokens gives the mask of
+    its next token, steps on from there, refuses tokens its grammar no longer takes, and a json_object
+    budget restricts the resumed mask as a step's would."""
+    table = SlotGrammars(2, VOCAB)
+    row = table.resume(1, REGEX, ids("c"), remaining=5)
+    assert row.shape == (1, bitmask_words(VOCAB)) and allowed(row[0]) == {ord("d") + 3}
+    masks = table.masks()
+    assert allowed(masks[1]) == {ord("d") + 3} and (masks[0] == -1).all()
+    assert table.advance(1, ord("d") + 3) == Advance(True, False)
+    assert allowed(table.resume(0, REGEX, [], remaining=5)[0]) == {ord("a") + 3, ord("c") + 3}
+    with pytest.raises(GrammarError, match="refused token 125"):
+        table.resume(0, REGEX, ids("cz"), remaining=5)
+    json_object = COMPILER.compile(GrammarSpec("json_object"))
+    far = SlotGrammars(1, VOCAB).resume(0, json_object, ids('{"a": "bcx'), remaining=50)
+    assert ord("x") + 3 in allowed(far[0])
+    near_table = SlotGrammars(1, VOCAB)
+    near = near_table.resume(0, json_object, ids('{"a": "bcx'), remaining=2)
+    assert allowed(near[0]) == {ord('"') + 3}
+    step = near_table.advance(0, ord('"') + 3)
+    assert step.ok and step.cut and not step.ended
+
+
 def test_the_llguidance_view_of_a_tokenizers_tokenizer_with_several_stop_ids():
     """Every stop id ends a grammar (EOS and, say, <|eot_id|>), and the model's padding ids are never allowed."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
