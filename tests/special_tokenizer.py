@@ -14,16 +14,14 @@ THINK, END_THINK = "<think>", "</think>"
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
-def special_tokenizer() -> Tokenizer:
-    """One token per byte, and EOS, the three call markers and the reasoning tags as special (added,
-    skipped by a decode) tokens."""
+def special_tokenizer(specials: tuple[str, ...] = (TOOL_CALLS, ARGS, PYTHON_TAG, THINK, END_THINK)) -> Tokenizer:
+    """One token per byte, and EOS and `specials` (by default the three call markers and the reasoning
+    tags) as special (added, skipped by a decode) tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (EOS, TOOL_CALLS, ARGS, PYTHON_TAG, THINK, END_THINK)]
-    )
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (EOS, *specials)])
     return Tokenizer("hf", backend, bos_id=None, eos_id=backend.token_to_id(EOS), chat_template=TEMPLATE)
 
 

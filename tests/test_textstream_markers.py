@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from special_tokenizer import ARGS, PYTHON_TAG, TOKENIZER, TOOL_CALLS, ids
+from special_tokenizer import ARGS, PYTHON_TAG, TOKENIZER, TOOL_CALLS, ids, special_tokenizer
 
 from hkserve.engine.textstream import TextStream
 
@@ -48,6 +48,18 @@ def test_a_stop_in_the_visible_text_ends_it_where_it_would_without_the_markers()
     assert (stream.text, stream.stopped_by) == ("a[TOOL_CALLS]", "b")
     _, stream = run(ids(["ab", TOOL_CALLS, "cd"]), ["bc"], KEEP)  # a stop across a marker: the client sees "abcd"
     assert (stream.text, stream.stopped_by) == ("a", "bc")
+
+
+def test_a_marker_that_begins_another_is_never_taken_for_the_longer_ones_start():
+    """The longer marker is hidden whole: were `<m>` cut from `<m>more>` first, the client would be
+    taken to see "more>" and the stop "more" would end the reply at a marker."""
+    tokenizer = special_tokenizer(("<m>", "<m>more>"))
+    short, long = tokenizer.special_id("<m>"), tokenizer.special_id("<m>more>")
+    stream = TextStream(tokenizer, ["more"], frozenset({short, long}))
+    for token in [*tokenizer.encode("a"), long, *tokenizer.encode("b"), short, *tokenizer.encode("c")]:
+        stream.add(token)
+    stream.finish()
+    assert stream.text == "a<m>more>b<m>c" and not stream.stopped and stream.stopped_by is None
 
 
 def test_a_held_stop_prefix_holds_the_markers_inside_it_and_releases_them_with_it():
