@@ -48,12 +48,13 @@ def drive(
     headers: list[tuple[bytes, bytes]] = (),
     scope_type: str = "http",
     send_blocks: bool = False,
+    path: str = "/v1/completions",
 ) -> list[dict]:
     """One request through a GuardMiddleware → the messages it sent. After `messages`, receive waits
     forever (a client that sends nothing more); with `send_blocks`, so does every send (one that does
     not read)."""
     sent: list[dict] = []
-    scope = {"type": scope_type, "method": "POST", "path": "/v1/completions", "headers": list(headers)}
+    scope = {"type": scope_type, "method": "POST", "path": path, "headers": list(headers)}
     never = anyio.Event()
 
     async def receive():

@@ -4,6 +4,7 @@ names a request id, and a client that stops reading (issue 38's mutation testing
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -33,6 +34,17 @@ def test_a_refused_check_answers_with_its_error_and_never_calls_the_route():
     status, headers, _ = response(sent)
     assert status == 401 and headers[b"www-authenticate"] == b"Bearer" and app.scopes == []
     assert error(sent) == {"message": "bad key", "type": "authentication_error", "param": None, "code": None}
+
+
+def test_a_refusal_on_the_anthropic_messages_route_is_in_anthropics_error_body():
+    """/v1/messages clients (the anthropic SDK) read Anthropic's error shape, the guard's refusals too."""
+    app = Recorder()
+    sent = drive(app, body_messages([b"x" * 60, b"x" * 41]), LIMITS, path="/v1/messages")
+    status, _, body = response(sent)
+    payload = json.loads(body)
+    assert status == 413 and app.scopes == [] and payload["type"] == "error"
+    assert payload["error"]["type"] == "invalid_request_error" and "100" in payload["error"]["message"]
+    assert payload["request_id"].startswith("req_")
 
 
 def test_a_client_that_leaves_while_sending_gets_nothing_and_the_route_never_runs():
