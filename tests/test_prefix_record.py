@@ -119,3 +119,14 @@ def test_off_mode_places_without_looking():
     cache.finished(0, 3)
     assert cache.place([1, 2, 3, 4], [1, 0]) == (1, None)
     assert (cache.looked_up, cache.hit) == (0, 0)
+
+
+def test_by_age_orders_slots_least_recently_used_first():
+    """The order a paged pool evicts idle slots' cached blocks in: admissions and finishes both count
+    as a use; the slots asked about only, whatever order they are given in."""
+    cache = PrefixCache(4, "on", min_reuse=4)
+    for slot in (2, 0, 3, 1):
+        cache.admitted(slot, [slot] * 8)
+    cache.finished(2, 8)  # slot 2 used last now
+    assert cache.by_age([0, 1, 2, 3]) == [0, 3, 1, 2]
+    assert cache.by_age([2, 1, 0]) == [0, 1, 2] and cache.by_age([]) == []
