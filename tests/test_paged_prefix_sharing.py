@@ -218,4 +218,5 @@ def test_more_distinct_prefixes_than_slots_stay_cached_in_the_pool(mode, uncache
     assert pool.held[slot_of(runner, streams[3])][: reused // 16] == first_blocks[: reused // 16]
     finish(runner, streams)
     assert pool.cached > 0 and pool.used + pool.free_blocks() == pool.total  # cached blocks are available
+    assert runner.stats().kv_blocks_cached == pool.cached and runner.stats().kv_blocks_used == pool.used
     assert [replies(s) for s in streams] == uncached(requests)

@@ -38,6 +38,10 @@ class Reuse(NamedTuple):
     length: int
     blocks: tuple[int, ...] = ()  # [length / block_size] cached blocks; () for a slot's memory
 
+    def __repr__(self) -> str:  # the slots' reuse as before the blocks were added (error messages)
+        blocks = f", blocks={self.blocks}" if self.blocks else ""
+        return f"Reuse(source={self.source}, length={self.length}{blocks})"
+
 
 class Placement(NamedTuple):
     slot: int  # where the prompt goes
