@@ -194,3 +194,29 @@ def test_block_pool_refcounts_and_copy_on_write():
     pool._free[0].append(pool.held[2][1])  # a named block on the free list
     with pytest.raises(AssertionError, match="free and named"):
         pool.check()
+
+
+@pytest.mark.parametrize("mode", ["on", "exact"])
+def test_more_distinct_prefixes_than_slots_stay_cached_in_the_pool(mode, uncached):
+    """--slots 2: three requests with different 300-token prompts, one after another, then the first
+    again. The third took the first's slot, but the first's full blocks stay cached in the pool
+    (block_cache.py), and the fourth takes them by reference in whatever slot it lands in; it replies
+    as uncached. Planted (a dropped cached block freed, not parked) cached_tokens is 0."""
+    prompts = [[(k * i + 3 * k + 1) % 96 for i in range(300)] for k in (5, 7, 11)]
+    requests = [Request(p, 8, GREEDY) for p in prompts + prompts[:1]]
+    runner = make_runner(prefix_cache=mode, slots=2, blocks=80)
+    pool, streams = runner.engine.kv_pool, []
+    for i, request in enumerate(requests):
+        streams.append(submit(runner, request))
+        if i == 0:
+            first_blocks = list(pool.held[slot_of(runner, streams[0])])
+        if i < 3:
+            assert streams[-1].cached_tokens == 0
+            finish(runner, streams)
+    reused = 256 if mode == "exact" else 288  # whole 64-token chunks / whole 16-token blocks, a token left
+    assert streams[3].cached_tokens == reused
+    assert pool.held[slot_of(runner, streams[3])][: reused // 16] == first_blocks[: reused // 16]
+    finish(runner, streams)
+    assert pool.cached > 0 and pool.used + pool.free_blocks() == pool.total  # cached blocks are available
+    assert runner.stats().kv_blocks_cached == pool.cached and runner.stats().kv_blocks_used == pool.used
+    assert [replies(s) for s in streams] == uncached(requests)

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import NamedTuple
 
+from hkserve.engine.block_pool import cached_reuse
 from hkserve.engine.outputs import PendingScores, PendingTokens
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import RequestStream
@@ -63,6 +64,8 @@ class Admission:
                     break
                 # A resuming request reuses prompt KV only (a prefix's copy counts every token as prompt).
                 slot, reuse = self.prefix.place(request.prompt_ids, roomy, lookup=not scoring)
+                if not scoring:  # paged: the pool's cached blocks, when they hold more of the prompt
+                    reuse = cached_reuse(self.engine.kv_pool, self.prefix, slot, request.prompt_ids, reuse)
                 reuse = self._make_room(slot, reuse, now, free)
                 free.remove(slot)
                 spent, taken = spent + len(ids) - (reuse.length if reuse else 0), taken + 1
@@ -96,7 +99,7 @@ class Admission:
         source = reuse.source if reuse else slot
         idle = [s for s in free if s not in (slot, source) and pool.shard(s) == pool.shard(slot) and pool.held[s]]
         for victim in [*self.prefix.by_age(idle), source]:
-            if pool.fits(slot, now, pool.shareable(slot, reuse.source, reuse.length) if reuse else 0):
+            if pool.fits(slot, now, pool.reused(slot, reuse) if reuse else 0):
                 break
             if victim == source and (victim == slot or victim not in free):
                 continue

@@ -328,6 +328,7 @@ class Engine(PagedSlots, Warmup):
                 raise DecodeStateLost(f"prefill failed after donating the decode state: {e!r}") from e
             raise
         self.positions[slot] = len(prompt_ids)
+        self._cache_prompt(slot, prompt_ids, exact=scores is None)  # a scoring prefill runs other programs
         return PendingTokens(out)
 
     def rows_program(self, prompt_len: int) -> tuple[int, int] | None:

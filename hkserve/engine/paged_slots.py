@@ -56,15 +56,22 @@ class PagedSlots:
 
     def _assign(self, slot: int, tokens: int, reuse: Reuse | None = None) -> np.ndarray | None:
         """Slot `slot` starts afresh with `tokens` positions, the first reuse.length its source's: in
-        place (kept), or another slot's full blocks shared by reference. The partial last block of
-        the prefix is the slot's own (copy-on-write). Returns the source's table row [MB] before the
-        change, for the device copy of that block (`copy_prefix`); None without a reuse or under the
-        static layout."""
+        place (kept), another slot's full blocks shared by reference, or the pool's cached blocks
+        (`reuse.blocks`). The partial last block of the prefix is the slot's own (copy-on-write).
+        Returns the source's table row [MB] before the change, for the device copy of that block
+        (`copy_prefix`; cached blocks: the slot's row after, so nothing is copied); None without a
+        reuse or under the static layout."""
         pool = self.kv_pool
         if pool is None:
             return None
         source_row = pool.table[reuse.source].copy() if reuse else None
-        if reuse and reuse.source == slot:
+        if reuse and reuse.blocks:  # the pool's cached blocks: named, never copied (`copy_prefix`)
+            if len(reuse.blocks) * pool.block_size != reuse.length:
+                raise ValueError(f"{len(reuse.blocks)} cached blocks do not hold {reuse.length} tokens")
+            pool.drop(slot)
+            pool.adopt(slot, reuse.blocks)
+            source_row = pool.table[slot].copy()
+        elif reuse and reuse.source == slot:
             pool.truncate(slot, reuse.length)
             pool.unshare_tail(slot, reuse.length)
         else:
@@ -73,6 +80,14 @@ class PagedSlots:
                 pool.share(slot, reuse.source, reuse.length)
         pool.grow(slot, tokens)
         return source_row
+
+    def _cache_prompt(self, slot: int, prompt_ids, exact: bool) -> None:
+        """The prompt's KV was just prefilled into `slot`: its full blocks become findable by their
+        prefix. In mode "exact" only whole fixed chunks a plain prefill computed (`exact`) are."""
+        if self.kv_pool is None or self.prefix_cache == "off" or (self.prefix_cache == "exact" and not exact):
+            return
+        granule = self.prefill_chunk or 1
+        self.kv_pool.register(slot, prompt_ids, len(prompt_ids) - len(prompt_ids) % granule)
 
     def _grow(self, active: np.ndarray) -> None:
         """Each active slot holds a block for the position its step writes."""

@@ -112,6 +112,7 @@ class RowPrefill:
         engine.state, out = self._fn()(engine.params, engine.state, tokens, lengths, rows, table)
         for slot, prompt in zip(slots, prompts):
             engine.positions[slot] = len(prompt)
+            engine._cache_prompt(slot, prompt, exact=False)  # not the fixed-chunk program's KV
         return out
 
     def warmup(self) -> None:

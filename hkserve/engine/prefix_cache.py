@@ -3,7 +3,9 @@
 The slots are the cache (llama.cpp server's design): a finished request's slot keeps its KV until it is
 reused. A new prompt goes to the slot holding its longest common prefix when that slot is free, else to
 the least recently used free slot, with the prefix copied there on the device from the slot that holds
-it (running or not: a running slot never rewrites positions before its current length).
+it (running or not: a running slot never rewrites positions before its current length). Under the
+paged layout the block pool is a cache beyond the slots (block_cache.py): admission then asks it for
+cached full blocks holding more of the prompt (block_pool.cached_reuse).
 
 Modes (docs/prefix-caching.md says what each guarantees):
   * "on": reuse any KV the memory holds, prompt and generated tokens alike, at any length.
@@ -28,10 +30,17 @@ DEFAULT_MIN_REUSE = 16  # shorter common prefixes are not worth a copy: the suff
 
 
 class Reuse(NamedTuple):
-    """Prefill with the first `length` prompt tokens taken from slot `source`'s memory."""
+    """Prefill with the first `length` prompt tokens taken from slot `source`'s memory, or (paged, with
+    `blocks`) from the pool's cached blocks holding them (block_cache.py; `source` is then the slot
+    itself)."""
 
     source: int
     length: int
+    blocks: tuple[int, ...] = ()  # [length / block_size] cached blocks; () for a slot's memory
+
+    def __repr__(self) -> str:  # the slots' reuse as before the blocks were added (error messages)
+        blocks = f", blocks={self.blocks}" if self.blocks else ""
+        return f"Reuse(source={self.source}, length={self.length}{blocks})"
 
 
 class Placement(NamedTuple):

@@ -62,14 +62,15 @@ def check_reuse(
 ) -> int:
     """Where a prefill of n prompt tokens into `slot` starts: after the reused prefix, which must leave a
     token to prefill, lie within what the source slot holds (positions: each slot's length) and, in
-    fixed-chunk mode, end on a chunk boundary. Raises ValueError before any device work."""
+    fixed-chunk mode, end on a chunk boundary (cached blocks: the block pool checks them when the
+    slot adopts them). Raises ValueError before any device work."""
     if reuse is None or reuse.length == 0:
         return 0
     if mode == "off":
         raise ValueError("prefix reuse asked of an engine made with prefix_cache='off'")
     if not (0 < reuse.length < n and 0 <= reuse.source < slots and 0 <= slot < slots):
         raise ValueError(f"cannot reuse {reuse} for a prompt of {n} tokens")
-    if reuse.length > positions[reuse.source]:
+    if not reuse.blocks and reuse.length > positions[reuse.source]:
         raise ValueError(f"slot {reuse.source} holds {positions[reuse.source]} tokens, not {reuse.length}")
     if chunk and reuse.length % chunk:
         raise ValueError(f"exact reuse is whole chunks of {chunk} tokens, not {reuse.length}")

@@ -27,9 +27,10 @@ class RunnerStats(NamedTuple):
     running: int
     waiting: int
     kv_blocks_total: int = 0  # paged KV layout: the pool's blocks (0: static layout)
-    kv_blocks_used: int = 0  # of those, held by slots (running, or kept for the prefix cache)
+    kv_blocks_used: int = 0  # of those, named by slots (running, or idle ones kept for the prefix cache)
     kv_block_size: int = 0  # tokens per block (0: static layout)
     preemptions: int = 0  # requests preempted so far to free blocks (paged layout)
+    kv_blocks_cached: int = 0  # cached blocks no slot names (block_cache.py): evictable, not in kv_blocks_used
 
 
 class Pending(Protocol):

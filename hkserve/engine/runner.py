@@ -259,7 +259,8 @@ class InferenceRunner(Admission, Preemption):
         pool = self.engine.kv_pool
         blocks = (pool.total, pool.used, pool.block_size) if pool is not None else (0, 0, 0)
         running = sum(s is not None for s in self._slots)
-        self._stats = RunnerStats(self.engine.slots, running, waiting, *blocks, self.preemptions)
+        cached = pool.cached if pool is not None else 0
+        self._stats = RunnerStats(self.engine.slots, running, waiting, *blocks, self.preemptions, cached)
 
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)

@@ -54,7 +54,6 @@ class Warmup:
                 self.positions[0] = w - 1
                 self.step_sample(self.step_forward(only_first), self._all_allowed_rows).read()
         self.positions[:] = 0
-        if self.kv_pool is not None:  # warmup's blocks back to the pool (its memory is never reused)
-            for slot in range(self.slots):
-                self.release(slot)
+        if self.kv_pool is not None:  # a fresh pool: warmup's blocks free and none of them cached
+            self._new_pool()
             self.sync_table()

@@ -25,7 +25,8 @@ async def health(request: Request):
     pool = {
         "blocks_total": stats.kv_blocks_total,
         "blocks_used": stats.kv_blocks_used,
-        "blocks_free": stats.kv_blocks_total - stats.kv_blocks_used,
+        "blocks_cached": stats.kv_blocks_cached,  # no slot names them: evicted when blocks are needed
+        "blocks_free": stats.kv_blocks_total - stats.kv_blocks_used - stats.kv_blocks_cached,
         "block_size": stats.kv_block_size,
         "preemptions": stats.preemptions,
     }
