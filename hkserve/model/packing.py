@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from hkserve.kernels import pack, pack4
+from hkserve.model.int4 import is_int8_group
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -23,6 +24,9 @@ def pack_params(params: dict, served: dict) -> dict:
     out: dict = {}
     for module, names in params.items():
         out[module] = {}
+        if is_int8_group(names):  # 8-bit groups: XLA's grouped dot reads them as stored
+            out[module] = dict(names)
+            continue
         if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 (kernels/pack4.py)
             packed = dict(zip(("w", "scale", "min"), pack4.pack4(names["w"], names["scale"], names["min"])))
             out[module] = {**names, **packed}
