@@ -110,9 +110,10 @@ class Linear(hk.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         held = layer_weights.held(hk.experimental.current_name())
         kernel = dispatch.active()
-        if held is not None and held.mins is not None:  # int4, kernel mode inside the layer stack
+        if held is not None and held.mins is not None:  # int4 (8-bit groups), kernel mode inside the layer stack
+            kind = q4ffi.kind_for(held.packed, kernel.int4)
             y = q4ffi.matmul_int4(
-                x, *held[:2], held.mins, self.out_dim, kernel.int4, kernel.isa, kernel.threads, layer=held.layer
+                x, *held[:2], held.mins, self.out_dim, kind, kernel.isa, kernel.threads, layer=held.layer
             )
         elif held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
             y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
@@ -129,8 +130,15 @@ class Linear(hk.Module):
 
 
 def _int8_group_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int8Group [K, out_dim] (K padded to whole groups), dequantized in the dot (XLA)."""
+    """x · an Int8Group [K, out_dim] (K padded to whole groups): hk_w8ga16 with the CPU kernels, else
+    dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
+    kernel = dispatch.active()
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8)
+        wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
+        w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
+        scale, low = (hk.get_parameter(n, sshape, F32, init=jnp.zeros) for n in ("scale", "min"))
+        return q4ffi.matmul_int4(x, w, scale, low, out_dim, q4ffi.EIGHT_BIT, kernel.isa, kernel.threads)
     q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.uint8, init=jnp.zeros)
     scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
     low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)

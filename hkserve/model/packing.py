@@ -24,11 +24,9 @@ def pack_params(params: dict, served: dict) -> dict:
     out: dict = {}
     for module, names in params.items():
         out[module] = {}
-        if is_int8_group(names):  # 8-bit groups: XLA's grouped dot reads them as stored
-            out[module] = dict(names)
-            continue
-        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 (kernels/pack4.py)
-            packed = dict(zip(("w", "scale", "min"), pack4.pack4(names["w"], names["scale"], names["min"])))
+        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 or 8-bit groups (kernels/pack4.py)
+            pack_groups = pack4.pack8 if is_int8_group(names) else pack4.pack4
+            packed = dict(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
             out[module] = {**names, **packed}
             assert all(packed[n].shape == served[module][n].shape for n in packed), module
             continue
@@ -62,8 +60,8 @@ def fuse(params: dict) -> dict:
                 continue
             parent = module[: -len(parts[0])]
             entries = [params.get(parent + part) for part in parts]
-            if not all(_fusable(e) for e in entries):
-                continue
+            if not all(_fusable(e) for e in entries) or len({e["w"].shape[-1] for e in entries}) > 1:
+                continue  # (int4 and 8-bit groups are not fused together)
             for part in parts:
                 del out[parent + part]
             if "min" in entries[0]:  # int4: w, scale and min are all per tile [L, N/64, ...]
