@@ -116,13 +116,13 @@ def test_convert_keeps_a_4_bit_gguf_4_bit_by_default(tmp_path, sp, monkeypatch, 
 
 @pytest.mark.parametrize(
     ("qtype", "native"),
-    [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q5_0, "int8"), (Q.Q8_0, "int8"), (Q.F32, None)],
+    [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q5_0, "int4"), (Q.Q8_0, "int8"), (Q.F32, None)],
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_a_gguf_is_stored_and_served_at_its_own_precision(tmp_path, sp, qtype, native):  # noqa: F811
-    """Files of 4-bit types int4 keeps exactly keep an int4 variant; Q8_0 and 5-6 bit files (which
-    int4 would requantize: gguf_precision.py) an int8 one; float files only the master (served f32
-    on a CPU); and `--weights f32` keeps any file float-only."""
+    """4-6 bit files keep an int4 variant (their 5-6 bit stacks in exact 8-bit groups: gguf_int4.py);
+    Q8_0 files an int8 one; float files only the master (served f32 on a CPU); and `--weights f32`
+    keeps any file float-only."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=qtype != Q.F32, qtype=qtype)
     assert native_weights(gguf.GGUFReader(str(path))) == native
