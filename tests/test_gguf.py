@@ -49,10 +49,16 @@ def train_sentencepiece(vocab_size: int) -> spm.SentencePieceProcessor:
 
 
 def write_llama_gguf(
-    path, hf_dir, sp: spm.SentencePieceProcessor, quantize: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0
+    path,
+    hf_dir,
+    sp: spm.SentencePieceProcessor,
+    quantize: bool = True,
+    qtype=gguf.GGMLQuantizationType.Q8_0,
+    types: dict | None = None,
 ):
     """The HF checkpoint in `hf_dir` as llama.cpp would convert it, with `sp`'s vocabulary; with
-    `quantize`, its matrices as `qtype`."""
+    `quantize`, its matrices as `qtype`, or as `types[tensor name]` for the names it holds (a mix such as
+    Q4_K_M's)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -82,8 +88,9 @@ def write_llama_gguf(
     def add(name, array):
         array = np.ascontiguousarray(array, np.float32)
         if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            q = gguf.quants.quantize(array, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+            kind = (types or {}).get(name, qtype)
+            q = gguf.quants.quantize(array, kind)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(name, array)
 

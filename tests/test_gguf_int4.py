@@ -24,7 +24,7 @@ from hkserve.cli.loading import serving_weights
 from hkserve.cli.main import cmd_models
 from hkserve.kernels import dispatch
 from hkserve.model.config import WEIGHTS
-from hkserve.model.int4 import Int4Weight, dequantize
+from hkserve.model.int4 import Int4Weight, Int8Group, dequantize
 
 Q = gguf.GGMLQuantizationType
 
@@ -50,6 +50,40 @@ def test_int4_import_keeps_the_blocks_of_a_4_bit_gguf(tmp_path, sp, qtype):  # n
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 6)).astype(np.int32)
     got, want = logits(config, params, tokens), logits(float_config, floats, tokens)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02  # the int8 embeddings' cost only
+    jax.clear_caches()
+
+
+# A k-quant mix as llama.cpp's Q4_K_M makes them (quantizable types only): most matrices 4-bit, attn_v
+# Q8_0 in one layer and Q4_1 in the other (a mixed stack), ffn_down Q5_0, the output head Q5_1.
+MIX = {"blk.0.attn_v.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q4_1, "output.weight": Q.Q5_1}
+MIX |= {f"blk.{i}.ffn_down.weight": Q.Q5_0 for i in range(2)}
+
+
+def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit_groups(tmp_path, sp):  # noqa: F811
+    """Issue 36: a 4-bit mix is served from its own blocks without forcing 4 bits on what the file kept
+    at more: a stack whose tensors are all Q4_0/Q4_1/Q4_K stays int4, any other becomes 8-bit groups
+    (config.int8_linears), every linear weight equal to gguf's dequantization bit for bit; the store
+    keeps int8_linears beside the variant, and the model follows the float one."""
+    path = tmp_path / "mix.gguf"
+    write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, qtype=Q.Q4_0, types=MIX)
+    float_config, floats, _ = load_gguf(path)
+    config, params = load_gguf_int4(path)
+    assert config.int8_linears == ("down_proj", "lm_head", "v_proj")
+    for module, names in params.items():
+        if "min" in names:
+            eight = module.rsplit("/", 1)[-1] in config.int8_linears
+            kind = Int8Group if eight else Int4Weight
+            assert (names["w"].shape[-2] == 32 * names["scale"].shape[-2]) == eight, module
+            got, want = dequantize(kind(names["w"], names["scale"], names["min"])), floats[module]["w"]
+            assert np.array_equal(got[..., : want.shape[-2], :], want), module
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 6)).astype(np.int32)
+    got, want = logits(config, params, tokens), logits(float_config, floats, tokens)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02  # the int8 embeddings' cost only
+    store = ModelStore(tmp_path / "home")
+    convert(path, "mix", store, progress=False, weights="int4")
+    assert store.config("mix", "int4") == config
+    stored = store.params("mix", weights="int4")
+    assert all(np.array_equal(np.asarray(stored[m][n]), v) for m, names in params.items() for n, v in names.items())
     jax.clear_caches()
 
 
@@ -82,13 +116,13 @@ def test_convert_keeps_a_4_bit_gguf_4_bit_by_default(tmp_path, sp, monkeypatch, 
 
 @pytest.mark.parametrize(
     ("qtype", "native"),
-    [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q5_0, "int8"), (Q.Q8_0, "int8"), (Q.F32, None)],
+    [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q5_0, "int4"), (Q.Q8_0, "int8"), (Q.F32, None)],
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_a_gguf_is_stored_and_served_at_its_own_precision(tmp_path, sp, qtype, native):  # noqa: F811
-    """Files of 4-bit types int4 keeps exactly keep an int4 variant; Q8_0 and 5-6 bit files (which
-    int4 would requantize: gguf_precision.py) an int8 one; float files only the master (served f32
-    on a CPU); and `--weights f32` keeps any file float-only."""
+    """4-6 bit files keep an int4 variant (their 5-6 bit stacks in exact 8-bit groups: gguf_int4.py);
+    Q8_0 files an int8 one; float files only the master (served f32 on a CPU); and `--weights f32`
+    keeps any file float-only."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=qtype != Q.F32, qtype=qtype)
     assert native_weights(gguf.GGUFReader(str(path))) == native

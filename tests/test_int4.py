@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from hkserve.checkpoint.gguf_quant import EXACT, REQUANTIZED, grouped, grouped_tensor
+from hkserve.checkpoint.gguf_quant import EXACT, EXACT8, REQUANTIZED, grouped, grouped8, grouped_tensor
 from hkserve.model.int4 import Int4Weight, Int8Group, dequantize, grouped_dot, quantize_int4
 
 SHAPE = (48, 512)  # [out, in]: two k-quant super-blocks of 256 per row
@@ -56,6 +56,30 @@ def test_exact_block_types_equal_gguf_dequantization_bit_for_bit(qtype):
     got, want = dequantize(w), reference(data, qtype)
     # bits equal but a zero's sign: Q4_0's d * (8 - 8) is -0 for a negative d, d * 8 - 8d is +0
     assert np.array_equal(np.where(got == 0, 0, got).view(np.uint32), np.where(want == 0, 0, want).view(np.uint32))
+
+
+def _equal_bits_but_zero_sign(got: np.ndarray, want: np.ndarray) -> bool:
+    return np.array_equal(np.where(got == 0, 0, got).view(np.uint32), np.where(want == 0, 0, want).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", EXACT8, ids=lambda q: q.name)
+def test_every_up_to_8_bit_type_maps_into_8_bit_groups_bit_for_bit(qtype):
+    """The int4 variant's 8-bit stacks (gguf_int4.py) hold Q4_*, Q5_* and Q8_0 blocks exactly."""
+    data = source(qtype, seed=3)
+    w = grouped8(data, qtype, SHAPE)
+    assert isinstance(w, Int8Group) and w.q.dtype == np.uint8 and w.q.shape == SHAPE[::-1]
+    assert _equal_bits_but_zero_sign(dequantize(w), reference(data, qtype))
+
+
+def test_q6_k_requantized_into_8_bit_groups_within_the_stated_bound():
+    data = source(Q.Q6_K)
+    ref = reference(data, Q.Q6_K)
+    got = dequantize(grouped8(data, Q.Q6_K, SHAPE))
+    groups = ref.reshape(-1, 32, ref.shape[1])
+    bound = (groups.max(1) - groups.min(1)) / 510
+    err = np.abs(got - ref).reshape(groups.shape)
+    assert np.all(err <= bound[:, None, :] * (1 + 1e-4) + 1e-7 * np.abs(groups))
+    assert err.max() > 0
 
 
 @pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda q: q.name)

@@ -83,8 +83,8 @@ def _servable(native: str | None, config) -> str | None:
 def store_gguf_int4(source: str | Path, name: str, store: ModelStore, progress: bool = True) -> None:
     """The int4 variant of a model converted from the GGUF `source`, made from the file's own blocks
     (Q4_0/Q4_1/Q4_K kept exactly, gguf_int4.py) instead of from the float32 master."""
-    _, params = load_gguf_int4(source, progress=progress)
-    store.save_variant(name, "int4", params)
+    config, params = load_gguf_int4(source, progress=progress)
+    store.save_variant(name, "int4", params, config.int8_linears)
 
 
 def pull(

@@ -5,10 +5,18 @@ Exact (equal to gguf.quants.dequantize bit for bit: the same float32 products an
   Q4_0  w = d * (q - 8)           → scale d, min -8d (d * (q - 8) is exact in float32, so is d*q - 8d)
   Q4_1  w = d * q + m             → scale d, min m
   Q4_K  w = (d*sc) * q - dmin*m   → per 32-value sub-block: scale d*sc, min -(dmin*m)
-  Q8_0  w = d * q (int8)          → Int8Group, scale d per 32 values
+  Q8_0  w = d * q (int8)          → Int8Group, q + 128, scale d, min -128d
 Requantized from gguf's float32 dequantization (lossy, 5-6 bits → 4): Q5_0, Q5_1, Q5_K, Q6_K, by
 model/int4.quantize_int4 (min/max per group of 32): each value within (max - min) / 30 of its group's
 source values, plus float32 rounding (tests/test_int4.py measures it).
+
+`grouped8` maps every type into 8-bit groups (model/int4.Int8Group), the form of the int4 variant's
+stacks that hold any type but Q4_0/Q4_1/Q4_K (gguf_int4.py). Exact: Q4_0, Q4_1, Q4_K and Q8_0 as above,
+  Q5_0  w = d * (q - 16)          → scale d, min -16d
+  Q5_1  w = d * q + m             → scale d, min m
+  Q5_K  w = (d*sc) * q - dmin*m   → per 32-value sub-block: scale d*sc, min -(dmin*m)
+Requantized (min/max per group of 32, 255 steps: each value within (max - min) / 510 of its group's
+source values): Q6_K (whose 16-value sub-blocks have scales of their own) and every other type.
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, pack_nibbles, quantize_int4
+from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, pack_nibbles, quantize_int4, quantize_int8_groups
 
 EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0)
 REQUANTIZED = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
+EXACT8 = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0)  # grouped8's exact mappings
 
 
 def _blocks(data: np.ndarray, qtype: Q) -> np.ndarray:
@@ -63,6 +72,44 @@ def _columns(groups: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     return np.moveaxis(g, 0, -1)
 
 
+def _groups_q5(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """→ (q [n_groups, 32] uint8 in 0..31, scale [n_groups], min [n_groups]) of Q5_0/Q5_1/Q5_K blocks:
+    the low nibbles as Q4_0/Q4_1/Q4_K lay them out, the fifth bit from qh."""
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        at = 2 if qtype == Q.Q5_0 else 4  # qh follows d (and m)
+        d = _f16(blocks[:, :2])[:, 0]
+        qh = np.ascontiguousarray(blocks[:, at : at + 4]).view(np.uint32)  # [n, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)  # bit j: value j
+        q = _nibbles(blocks[:, at + 4 :], 16) | (high << np.uint8(4))
+        low = np.float32(-16) * d if qtype == Q.Q5_0 else _f16(blocks[:, 2:4])[:, 0]
+        return q, d, low
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] 6-bit
+    high = (blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # [n, 8, 32]
+    q = _nibbles(blocks[:, 48:], 32).reshape(-1, 8, GROUP) | (high << np.uint8(4))
+    scale = (d * sc.astype(np.float32)).reshape(-1)
+    low = -(dmin * m.astype(np.float32)).reshape(-1)
+    return q.reshape(-1, GROUP), scale, low
+
+
+def grouped8(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int8Group:
+    """A GGUF tensor's raw bytes of any type, `shape` [out, in] → 8-bit groups [in, out] (module docstring)."""
+    out, inp = shape
+    if qtype not in EXACT8:
+        dense = np.asarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(out, inp)
+        return quantize_int8_groups(dense.T)
+    blocks = _blocks(data, qtype)
+    if qtype == Q.Q8_0:
+        d = _f16(blocks[:, :2])[:, 0]
+        q = (np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        scale, low = d, np.float32(-128) * d
+    elif qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K):
+        q, scale, low = _groups_q5(blocks, qtype)
+    else:
+        q, scale, low = _groups_q4(blocks, qtype)
+    return Int8Group(_columns(q, shape).reshape(inp, out), _columns(scale, shape), _columns(low, shape))
+
+
 def grouped(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Weight | Int8Group:
     """A GGUF tensor's raw bytes of `qtype`, `shape` [out, in] (the reversed GGUF dims) → the grouped
     weight [in, out]."""
@@ -74,9 +121,7 @@ def grouped(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Weight | 
         raise ValueError(f"{qtype.name} blocks have no grouped mapping")
     blocks = _blocks(data, qtype)
     if qtype == Q.Q8_0:
-        values = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)  # [n, 32]
-        values = _columns(values, shape).reshape(inp, out)
-        return Int8Group(values, _columns(_f16(blocks[:, :2])[:, 0], shape))
+        return grouped8(data, qtype, shape)
     q, scale, low = _groups_q4(blocks, qtype)
     q = _columns(q, shape)  # [in/32, 32, out]
     return Int4Weight(pack_nibbles(q.reshape(inp, out)), _columns(scale, shape), _columns(low, shape))

@@ -4,6 +4,8 @@ $HKSERVE_HOME/models/<name>/config.json      ModelConfig
                            /params/          orbax checkpoint
                            /tokenizer/       tokenizer.json | tokenizer.model + tokenizer_config.json
                            /source.json      where it came from
+                           /params-<dtype>/  a weight variant (int8, int4, bf16)
+                           /params-<dtype>.json  its config's fields beyond dtype, if any (int8_linears)
 $HKSERVE_HOME/tmp/                           work dirs; a model appears by one rename when complete
 """
 
@@ -108,7 +110,12 @@ class ModelStore:
                 f"model {name!r} is a Transformer-VQ model: it serves its stored {config.dtype} "
                 f"weights only (weight variants are for KV models)"
             )
-        return config.replace(dtype=WEIGHTS[weights])
+        fields = self.info(name).path / f"params-{WEIGHTS[weights]}.json"
+        try:
+            extra = json.loads(fields.read_text()) if fields.exists() else {}
+            return config.replace(dtype=WEIGHTS[weights], **{k: tuple(v) for k, v in extra.items()})
+        except (ValueError, TypeError) as e:
+            raise DamagedModel(name, f"{fields}: {e}") from e
 
     def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
         """Params restored onto `shardings`; a weight variant is made from the stored master (and
@@ -145,12 +152,17 @@ class ModelStore:
         dirs += [(p.name.removeprefix("params-"), p) for p in sorted(info.path.glob("params-*")) if p.is_dir()]
         return {dtype: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for dtype, d in dirs}
 
-    def save_variant(self, name: str, dtype: str, params: dict) -> None:
+    def save_variant(self, name: str, dtype: str, params: dict, int8_linears: tuple[str, ...] = ()) -> None:
         """Store `params` as the model's `dtype` variant (params-<dtype>), replacing one made before: e.g.
-        int4 made from a GGUF's own 4-bit blocks (gguf_int4.py) rather than from the float master."""
+        int4 made from a GGUF's own blocks (gguf_int4.py) rather than from the float master, with the
+        stacks it keeps in 8-bit groups (`int8_linears`, in params-<dtype>.json)."""
         info = self.info(name)
         path = info.path / f"params-{dtype}"
         shutil.rmtree(path, ignore_errors=True)
+        fields = info.path / f"params-{dtype}.json"
+        fields.unlink(missing_ok=True)
+        if int8_linears:
+            fields.write_text(json.dumps({"int8_linears": list(int8_linears)}))
         self._write_variant(info, dtype, path, params)
 
     @staticmethod

@@ -1,5 +1,6 @@
 """The int4 kernel's weight layout (q4matmul.cc), made once at load from the stored grouped weight
-(model/int4.py: nibbles [..., K/2, N], scale and min [..., K/32, N]); jnp, so it runs jitted.
+(model/int4.py: nibbles [..., K/2, N], scale and min [..., K/32, N]); jnp, so it runs jitted. `pack8`:
+the same for 8-bit groups (hk_w8ga16, q8a16.h).
 
 Per 64-column tile and group of 32 inputs, 1024 bytes [4 input quads j][4 column quarters][16 columns]
 [4 inputs e]: a byte holds input 4j + e of the group in its low nibble and 16 + 4j + e in its high one.
@@ -23,19 +24,41 @@ def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, .
     return (*lead, tiles, groups, 1024), (*lead, tiles, groups, N_TILE)
 
 
+def packed_shapes8(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(weight, scale/min) packed shapes of a stored 8-bit group array [..., K_pad, N]."""
+    *lead, k, n = shape
+    tiles, groups = -(-n // N_TILE), k // GROUP
+    return (*lead, tiles, groups, 2048), (*lead, tiles, groups, N_TILE)
+
+
+def _tiles(a: jax.Array, lead: list[int], groups: int, pad: int) -> jax.Array:
+    """A per-group param [..., G, N] → [..., N_pad/64, G, 64] (zero padding columns)."""
+    a = jnp.pad(a.astype(jnp.float32), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(*lead, groups, -1, N_TILE)
+    return jnp.swapaxes(a, -3, -2)
+
+
+def pack8(q: jax.Array, scale: jax.Array, mins: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stored 8-bit groups → (w [..., N_pad/64, K/32, 2048] uint8: per tile and group [8 input quads j]
+    [4 column quarters][16 columns][4 inputs 4j + e], a byte each; scale, min [..., N_pad/64, K/32, 64])."""
+    *lead, k, n = q.shape
+    nl, groups, pad = len(lead), k // GROUP, -(-n // N_TILE) * N_TILE - n
+    w = jnp.pad(q.reshape(*lead, groups, 8, 4, n), [(0, 0)] * (nl + 3) + [(0, pad)])
+    w = w.reshape(*lead, groups, 8, 4, -1, 4, 16)  # [..., G, j, e, T, c, 16]
+    w = jnp.transpose(w, (*range(nl), nl + 3, nl, nl + 1, nl + 4, nl + 5, nl + 2))  # [..., T, G, j, c, 16, e]
+    return (
+        w.reshape(*lead, -1, groups, 2048).astype(jnp.uint8),
+        _tiles(scale, lead, groups, pad),
+        _tiles(mins, lead, groups, pad),
+    )
+
+
 def pack4(nibbles: jax.Array, scale: jax.Array, mins: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stored grouped int4 → (w [..., N_pad/64, K/32, 1024] uint8, scale, min [..., N_pad/64, K/32, 64])."""
     *lead, half, n = nibbles.shape
     nl, groups, pad = len(lead), half * 2 // GROUP, -(-n // N_TILE) * N_TILE - n
-    widths = [(0, 0)] * (nl + 1) + [(0, pad)]
     q = nibbles.reshape(*lead, groups, 1, GROUP // 2, n)
     q = jnp.concatenate([q & 0x0F, q >> 4], axis=-3).reshape(*lead, groups, 2, 4, 4, n)  # [..., G, half, j, e, N]
     q = jnp.pad(q, [(0, 0)] * (nl + 4) + [(0, pad)]).reshape(*lead, groups, 2, 4, 4, -1, 4, 16)
     byte = (q[..., 0, :, :, :, :, :] | (q[..., 1, :, :, :, :, :] << 4)).astype(jnp.uint8)  # [..., G, j, e, T, c, 16]
     w = jnp.transpose(byte, (*range(nl), nl + 3, nl, nl + 1, nl + 4, nl + 5, nl + 2))  # [..., T, G, j, c, 16, e]
-
-    def tiles(a):  # [..., G, N] → [..., T, G, 64]
-        a = jnp.pad(a.astype(jnp.float32), widths).reshape(*lead, groups, -1, N_TILE)
-        return jnp.swapaxes(a, -3, -2)
-
-    return w.reshape(*lead, -1, groups, 1024), tiles(scale), tiles(mins)
+    return w.reshape(*lead, -1, groups, 1024), _tiles(scale, lead, groups, pad), _tiles(mins, lead, groups, pad)

@@ -1,8 +1,9 @@
-// What both int4 kernels of q4matmul.cc share (hk_w4a8, hk_w4a16): the packed weight's group and tile,
-// one call's operands (Q4Problem) and the loops over a tile's groups and rows. The activations' side is
-// a policy A (q4matmul.cc's A8, q4a16.h's A16): A::acts512/acts256 broadcast a row's activations for
-// input quad j of a group, A::dot512/dot256 add one 64-byte (32-byte) line's products into exact
-// integer sums per column, A::sums256 widens the AVX2 sums to int32.
+// What the grouped kernels of q4matmul.cc share (hk_w4a8, hk_w4a16, hk_w8ga16): the packed weight's group
+// and tile, one call's operands (Q4Problem) and the loops over a tile's groups and rows. The weight's
+// and activations' side is a policy A (q4matmul.cc's A8, q4a16.h's A16, q8a16.h's A8G): A::kQuads input
+// quads of A::kBytes per (tile, group); A::acts512/acts256 broadcast a row's activations for quad j,
+// A::dot512/dot256 add one 64-byte (32-byte) line's products into exact integer sums per column,
+// A::sums256 widens the AVX2 sums to int32.
 //
 // Packed layout (kernels/pack4.py), per 64-column tile t and group g, 1024 bytes: 4 input quads j,
 // each 4 column quarters c, each 16 columns x 4 inputs; a byte holds input 4j + e of the group in its
@@ -37,13 +38,13 @@ struct Q4Problem {
 // Tile t's packed groups, scales and mins.
 struct Q4Tile {
   int64_t ng;             // groups
-  const uint8_t* w;       // [ng][1024]
+  const uint8_t* w;       // [ng][bytes]
   const float *sc, *mn;   // [ng][64]
 };
 
-inline Q4Tile tile4(const Q4Problem& p, int64_t t) {
+inline Q4Tile tile4(const Q4Problem& p, int64_t t, int64_t bytes = GB) {
   const int64_t ng = p.kp / G4;
-  return {ng, p.w + t * ng * GB, p.sc + t * ng * NT, p.mn + t * ng * NT};
+  return {ng, p.w + t * ng * bytes, p.sc + t * ng * NT, p.mn + t * ng * NT};
 }
 
 // 4 bytes of a row's quantized activations (4 int8 or 2 int16) at input `at` of group g, as one lane.
@@ -79,7 +80,7 @@ __attribute__((target("avx2,fma"))) inline __m256 group_avx2(const Q4Problem& p,
 // group_512's float step; the rows share each weight load.
 template <class A, int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Problem& p, int64_t t, int64_t r0) {
-  const Q4Tile tl = tile4(p, t);
+  const Q4Tile tl = tile4(p, t, A::kBytes);
   __m512 f[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) f[r][c] = _mm512_setzero_ps();
@@ -87,10 +88,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Pro
     __m512i a[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < A::kQuads; ++j) {
       typename A::X512 x[R];
       for (int r = 0; r < R; ++r) x[r] = A::acts512(p, r0 + r, g, j);
-      const uint8_t* q = tl.w + g * GB + j * 256;
+      const uint8_t* q = tl.w + g * A::kBytes + j * 256;
       prefetch_256(q);
       for (int c = 0; c < 4; ++c) {
         __m512i v = _mm512_loadu_si512(q + 64 * c);
@@ -110,7 +111,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Pro
 // As rows_512 one 16-column quarter at a time, each 64-byte line as two 8-column halves.
 template <class A, int R>
 __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t, int64_t r0) {
-  const Q4Tile tl = tile4(p, t);
+  const Q4Tile tl = tile4(p, t, A::kBytes);
   float acc[R][NT];
   for (int c = 0; c < 4; ++c) {
     __m256 f[R][2];
@@ -118,8 +119,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t
     for (int64_t g = 0; g < tl.ng; ++g) {
       __m256i s[R][2];
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t* q = tl.w + g * GB + j * 256 + 64 * c;
+      for (int j = 0; j < A::kQuads; ++j) {
+        const uint8_t* q = tl.w + g * A::kBytes + j * 256 + 64 * c;
         _mm_prefetch(reinterpret_cast<const char*>(q + PF), _MM_HINT_T0);
         typename A::X256 x[R];
         for (int r = 0; r < R; ++r) x[r] = A::acts256(p, r0 + r, g, j);

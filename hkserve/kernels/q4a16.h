@@ -26,6 +26,8 @@ namespace hk {
 // The int16 side: per quad j, four broadcast pairs (inputs 4j, 4j + 2 | 4j + 1, 4j + 3 | the same + 16)
 // meet the line's four nibble words.
 struct A16 {
+  static constexpr int kQuads = 4;
+  static constexpr int64_t kBytes = GB;
   struct X512 {
     __m512i v[4];
   };

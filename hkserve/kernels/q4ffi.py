@@ -12,7 +12,8 @@ import numpy as np
 
 from hkserve.kernels import ffi
 
-TARGETS = {"w4a16": ("hk_w4a16", "HkW4A16"), "w4a8": ("hk_w4a8", "HkW4A8")}
+TARGETS = {"w4a16": ("hk_w4a16", "HkW4A16"), "w4a8": ("hk_w4a8", "HkW4A8"), "w8ga16": ("hk_w8ga16", "HkW8GA16")}
+EIGHT_BIT = "w8ga16"  # 8-bit groups (pack4.pack8) times int16 activations: the packed weight's last dim 2048
 
 
 @functools.cache
@@ -23,6 +24,11 @@ def available() -> bool:
     for target, symbol in TARGETS.values():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
+
+
+def kind_for(packed: jax.Array, int4_kind: str) -> str:
+    """The kernel of a packed grouped weight: hk_w8ga16 for 8-bit groups, else the int4 kind chosen."""
+    return EIGHT_BIT if packed.shape[-1] == 2048 else int4_kind
 
 
 def matmul_int4(
@@ -37,7 +43,8 @@ def matmul_int4(
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """x [..., K] float32 · packed int4 weight (pack4.py) → [..., n] float32; kind "w4a16" quantizes x
-    per row to int16 in blocks of 128, "w4a8" to int8 in blocks of 32 (the weight's groups). With
+    per row to int16 in blocks of 128, "w4a8" to int8 in blocks of 32 (the weight's groups); "w8ga16":
+    a packed 8-bit group weight (pack4.pack8), x as "w4a16" quantizes it; `kind_for` picks it. With
     `layer`, `packed`, `scale` and `mins` are a layer stack [L, ...] and the kernel reads layer `layer`
     in place."""
     if kind not in TARGETS:

@@ -9,7 +9,8 @@
 // order whatever the batch, the row group or the thread.
 //
 // The packed layout, the operands and the loops: q4.h; this file holds hk_w4a8's activation side (A8),
-// hk_w4a16's is q4a16.h (A16); both share the validation, threads and items below.
+// hk_w4a16's is q4a16.h (A16); hk_w8ga16 (8-bit groups, int16 activations) is q8a16.h's A8G. All share
+// the validation, threads and items below.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 
 #include "q4.h"
 #include "q4a16.h"
+#include "q8a16.h"
 #include "quant8.h"
 #include "threads.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,6 +34,8 @@ using hk::G4, hk::GB, hk::Q4Problem;
 // nibbles as the unsigned operand; AVX2 adds a group's 8 vpmaddubsw results in int16 (at most
 // 8 * 2 * 15 * 127 = 30480 < 2^15) before one vpmaddwd widens them.
 struct A8 {
+  static constexpr int kQuads = 4;
+  static constexpr int64_t kBytes = GB;
   struct X512 {
     __m512i l, h;
   };
@@ -74,10 +78,13 @@ void quantize_a8(const float* x, Q4Problem& p) {
   p.xq = xq.data(), p.xd = xd.data(), p.xs = xs.data();
 }
 
-// w [(L,) N/64, K/32, 1024] with scale and min [(L,) N/64, K/32, 64]; with a leading L, `layer` (the
-// scan's index, an int32 in host memory) picks the layer, read in place (as hk_w8a16's stacks).
-// a16: int16 activation blocks (hk_w4a16), else int8 (hk_w4a8); `name` heads the errors.
-ffi::Error q4call(const char* name, bool a16, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+// The kernels of this file: the weight's bits and the activations' (q4.h's policies).
+enum class Kind { w4a8, w4a16, w8ga16 };
+
+// w [(L,) N/64, K/32, B] (B: 1024 for int4, 2048 for 8-bit groups) with scale and min [(L,) N/64, K/32,
+// 64]; with a leading L, `layer` (the scan's index, an int32 in host memory) picks the layer, read in
+// place (as hk_w8a16's stacks). `name` heads the errors.
+ffi::Error q4call(const char* name, Kind kind, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer,
                   ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
@@ -85,9 +92,10 @@ ffi::Error q4call(const char* name, bool a16, ffi::ThreadPool pool, ffi::Buffer<
   size_t lead = wd.size() - 3;  // 0: one weight, 1: a layer stack
   bool same = sd.size() == wd.size() && mins.dimensions().size() == wd.size();
   for (size_t i = 0; same && i < sd.size(); ++i) same = mins.dimensions()[i] == sd[i] && (i == lead + 2 || sd[i] == wd[i]);
-  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || !same || wd[lead + 2] != GB || sd[lead + 2] != hk::NT ||
+  const int64_t bytes = kind == Kind::w8ga16 ? hk::A8G::kBytes : GB;
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || !same || wd[lead + 2] != bytes || sd[lead + 2] != hk::NT ||
       yd.size() != 2 || yd[0] != xd[0] || layer.element_count() != 1)
-    return fail("x must be [M, K], w [(L,) N/64, K/32, 1024], scale and min [(L,) N/64, K/32, 64], y [M, N]");
+    return fail("x must be [M, K], w [(L,) N/64, K/32, 1024 (int4) | 2048 (8-bit)], scale and min [(L,) N/64, K/32, 64], y [M, N]");
   int64_t layers = lead ? wd[0] : 1, l = layer.typed_data()[0];
   if (l < 0 || l >= layers) return fail("layer index out of range");
   Q4Problem p{};
@@ -95,23 +103,25 @@ ffi::Error q4call(const char* name, bool a16, ffi::ThreadPool pool, ffi::Buffer<
   if (p.kp < p.k || p.kp - p.k >= G4 || p.np < p.n || p.np - p.n >= hk::NT) return fail("packed weight does not fit x and y");
   if (isa != 1 && isa != 2) return fail("isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
   const int64_t per_layer = p.np / hk::NT * (p.kp / G4);
-  p.w = w.typed_data() + l * per_layer * GB, p.y = y->typed_data();
+  p.w = w.typed_data() + l * per_layer * bytes, p.y = y->typed_data();
   p.sc = scale.typed_data() + l * per_layer * hk::NT, p.mn = mins.typed_data() + l * per_layer * hk::NT;
   if (p.m == 0) return ffi::Error::Success();
-  if (a16)
-    hk::quantize_a16(x.typed_data(), p);
-  else
+  if (kind == Kind::w4a8)
     quantize_a8(x.typed_data(), p);
+  else
+    hk::quantize_a16(x.typed_data(), p);
   threads = hk::call_threads(pool, threads);
   // Items are (tile, group of rows), as hk_w8a16's: few tiles for the threads split 16+ rows by 8.
   int64_t tiles = p.np / hk::NT;
   int64_t span = tiles < 8 * threads && p.m >= 16 ? 8 : p.m, groups = (p.m + span - 1) / span;
-  auto body = [&p, a16, isa, span, groups](int64_t item) {
-    int64_t t = item / groups, r = item % groups * span;
-    if (a16)
-      hk::run_rows<hk::A16>(p, isa, t, r, std::min(p.m, r + span));
+  auto body = [&p, kind, isa, span, groups](int64_t item) {
+    int64_t t = item / groups, r = item % groups * span, end = std::min(p.m, r + span);
+    if (kind == Kind::w4a8)
+      hk::run_rows<A8>(p, isa, t, r, end);
+    else if (kind == Kind::w4a16)
+      hk::run_rows<hk::A16>(p, isa, t, r, end);
     else
-      hk::run_rows<A8>(p, isa, t, r, std::min(p.m, r + span));
+      hk::run_rows<hk::A8G>(p, isa, t, r, end);
   };
   hk::parallel_tiles(pool, tiles * groups, threads, body);
   return ffi::Error::Success();
@@ -120,13 +130,19 @@ ffi::Error q4call(const char* name, bool a16, ffi::ThreadPool pool, ffi::Buffer<
 ffi::Error w4a8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
                 ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
                 int64_t threads) {
-  return q4call("hk_w4a8", false, pool, x, w, scale, mins, layer, y, isa, threads);
+  return q4call("hk_w4a8", Kind::w4a8, pool, x, w, scale, mins, layer, y, isa, threads);
 }
 
 ffi::Error w4a16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
                  ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
                  int64_t threads) {
-  return q4call("hk_w4a16", true, pool, x, w, scale, mins, layer, y, isa, threads);
+  return q4call("hk_w4a16", Kind::w4a16, pool, x, w, scale, mins, layer, y, isa, threads);
+}
+
+ffi::Error w8ga16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                  ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
+                  int64_t threads) {
+  return q4call("hk_w8ga16", Kind::w8ga16, pool, x, w, scale, mins, layer, y, isa, threads);
 }
 
 }  // namespace
@@ -145,3 +161,4 @@ ffi::Error w4a16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A8, w4a8, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A16, w4a16, HK_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);

@@ -50,7 +50,7 @@ def in_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Arra
 def _project(c: ModelConfig, x: jax.Array, heads: int, name: str) -> jax.Array:
     """[B, T, D] → [B, T, heads, Dh] (a function, not a method: Haiku would scope a method's params)."""
     bias = norm_dtype(c) if c.qkv_bias else None
-    y = Linear(heads * c.head_dim, param_dtype(c), name, bias_dtype=bias)(x)
+    y = Linear(heads * c.head_dim, param_dtype(c, name), name, bias_dtype=bias)(x)
     return y.reshape(*x.shape[:2], heads, c.head_dim)
 
 
@@ -108,7 +108,7 @@ class Attention(hk.Module):
             out = ffi.decode_attention(
                 q[:, 0], k[:, 0], v[:, 0], k_memory, v_memory, layer, past_len, window, c.attn_logit_cap, threads, table
             )
-            out = Linear(c.dim, param_dtype(c), "o_proj")(out.reshape(b, t, c.n_heads * c.head_dim))
+            out = Linear(c.dim, param_dtype(c, "o_proj"), "o_proj")(out.reshape(b, t, c.n_heads * c.head_dim))
             return out, k, v
         neg = jnp.finfo(F32).min
 
@@ -129,5 +129,5 @@ class Attention(hk.Module):
             scores, values = new_scores, v
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bhgts,bshd->bthgd", probs, values).reshape(b, t, c.n_heads * c.head_dim)
-        out = Linear(c.dim, param_dtype(c), "o_proj")(out)
+        out = Linear(c.dim, param_dtype(c, "o_proj"), "o_proj")(out)
         return out, k, v

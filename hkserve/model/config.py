@@ -31,6 +31,9 @@ class ModelConfig:
     memory: str = "kv"  # "kv" (softmax KV cache) | "vq" (Transformer-VQ: codebook keys, constant-size state)
     dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
     # | int4 (linear weights in groups of 32 with f32 scale and min, model/int4.py; embeddings int8)
+    int8_linears: tuple[str, ...] = ()  # int4 only: linear modules (by name: q_proj ... down_proj, lm_head)
+    # stored as 8-bit groups of the same form (model/int4.Int8Group): a GGUF's stacks that hold other types
+    # than Q4_0/Q4_1/Q4_K (checkpoint/gguf_int4.py)
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
@@ -84,6 +87,8 @@ class ModelConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8 | int4)")
         if self.dtype == "int4" and (self.n_experts or self.memory != "kv"):
             raise ValueError("int4 weights are implemented for dense KV decoders only (not MoE experts, not VQ)")
+        if self.int8_linears and (self.dtype != "int4" or not set(self.int8_linears) <= set(LINEARS)):
+            raise ValueError(f"int8_linears names int4 models' linear modules ({', '.join(LINEARS)})")
         if self.moe_routing not in ("mixtral", "grok"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
         if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
@@ -192,6 +197,7 @@ class ModelConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # --weights names → dtypes
 
 

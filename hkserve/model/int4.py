@@ -1,5 +1,6 @@
 """Grouped low-bit weights: int4 with a float32 scale and min per group of 32 inputs (what GGUF's 4-bit
-blocks map into exactly), and int8 with a float32 scale per group (GGUF's Q8_0).
+blocks map into exactly), and 8-bit groups of the same form (what every other GGUF block type of up to 8
+bits maps into: Q5_0/Q5_1/Q5_K/Q8_0 exactly, Q6_K by a documented requantization).
 
 A weight [K, N] (stored [in, out], like every linear weight) is, per output column and group of 32
 consecutive inputs g, w[k, n] = scale[g, n] * q[k, n] + min[g, n], q in 0..15. The store keeps q as
@@ -29,8 +30,18 @@ class Int4Weight(NamedTuple):
 
 
 class Int8Group(NamedTuple):
-    values: np.ndarray | jax.Array  # [..., K_pad, N] int8
-    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float32: w = scale * values
+    """w[k, n] = scale[g, n] * q[k, n] + min[g, n], q in 0..255: the int4 form with 8-bit q, so the
+    kernels' float step (scale, min, the activations' group sums) is the same for both."""
+
+    q: np.ndarray | jax.Array  # [..., K_pad, N] uint8
+    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float32
+    min: np.ndarray | jax.Array  # [..., K_pad/32, N] float32
+
+
+def is_int8_group(names: dict) -> bool:
+    """Whether a module's params {w, scale, min} hold 8-bit groups (w [..., K_pad, N]) rather than
+    int4 nibbles (w [..., K_pad/2, N]): the two are told apart by w's rows per group."""
+    return {"w", "scale", "min"} <= set(names) and names["w"].shape[-2] == GROUP * names["scale"].shape[-2]
 
 
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -56,25 +67,35 @@ def _per_input(group_param, xp=np):
 def dequantize(w: Int4Weight | Int8Group, xp=np):
     """→ float32 [..., K_pad, N]: scale * q + min in float32, one rounding (scale * q is exact for
     GGUF's scales: 11-17 significant bits times 4), as gguf's own dequantization computes it."""
-    if isinstance(w, Int8Group):
-        return w.values.astype(xp.float32) * _per_input(w.scale, xp)
-    q = unpack_nibbles(w.nibbles, xp).astype(xp.float32)
+    q = (w.q if isinstance(w, Int8Group) else unpack_nibbles(w.nibbles, xp)).astype(xp.float32)
     return q * _per_input(w.scale, xp) + _per_input(w.min, xp)
 
 
-def quantize_int4(w: np.ndarray) -> Int4Weight:
-    """float [..., K, N] → int4 with min/max per group: scale (max - min) / 15, q = round((w - min) /
-    scale). Each value is within scale / 2 = (max - min) / 30 of the input, plus float32 rounding."""
+def _minmax_groups(w: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float [..., K, N] → (q [..., K_pad, N] uint8 in 0..levels, scale and min [..., K_pad/32, N]) with
+    min/max per group: scale (max - min) / levels, q = round((w - min) / scale). Each value is within
+    scale / 2 of the input, plus float32 rounding; K is padded with zeros to whole groups."""
     w = np.asarray(w, np.float32)
     *lead, k, n = w.shape
     kp = -(-k // GROUP) * GROUP
     w = np.pad(w, [(0, 0)] * len(lead) + [(0, kp - k), (0, 0)])
     g = w.reshape(*lead, kp // GROUP, GROUP, n)
     lo, hi = g.min(axis=-2), g.max(axis=-2)  # [..., G, N]
-    scale = ((hi - lo) / np.float32(15)).astype(np.float32)
+    scale = ((hi - lo) / np.float32(levels)).astype(np.float32)
     inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
-    q = np.clip(np.rint((g - lo[..., None, :]) * inv[..., None, :]), 0, 15).astype(np.uint8)
-    return Int4Weight(pack_nibbles(q.reshape(*lead, kp, n)), scale, lo.astype(np.float32))
+    q = np.clip(np.rint((g - lo[..., None, :]) * inv[..., None, :]), 0, levels).astype(np.uint8)
+    return q.reshape(*lead, kp, n), scale, lo.astype(np.float32)
+
+
+def quantize_int4(w: np.ndarray) -> Int4Weight:
+    """float [..., K, N] → int4, min/max per group: each value within (max - min) / 30 of the input."""
+    q, scale, lo = _minmax_groups(w, 15)
+    return Int4Weight(pack_nibbles(q), scale, lo)
+
+
+def quantize_int8_groups(w: np.ndarray) -> Int8Group:
+    """float [..., K, N] → 8-bit groups, min/max per group: each value within (max - min) / 510."""
+    return Int8Group(*_minmax_groups(w, 255))
 
 
 def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group) -> jax.Array:

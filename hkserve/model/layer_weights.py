@@ -29,7 +29,8 @@ class HeldWeight(NamedTuple):
     packed: jax.Array  # [L, N/64, K/4, 64, 4] uint8, every layer's packed weight (int4: [L, N/64, K/32, 1024])
     scale: jax.Array  # [L, N] float32 (int4: [L, N/64, K/32, 64])
     layer: jax.Array  # [] int32: the layer the scan is at
-    mins: jax.Array | None = None  # int4 only: [L, N/64, K/32, 64] float32 (kernels/pack4.py)
+    mins: jax.Array | None = None  # int4 only: [L, N/64, K/32, 64] float32 (kernels/pack4.py; 8-bit groups: w
+    # [L, N/64, K/32, 2048], pack4.pack8)
 
 
 _HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hkserve_held_weights", default=None)
@@ -90,11 +91,9 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     if weight is None:
         return None
     kernel = dispatch.active()
-    if weight.mins is not None:  # int4: every part's columns, padded to whole tiles
-        n = weight.packed.shape[1] * pack.N_TILE
-        y = q4ffi.matmul_int4(
-            x, *weight[:2], weight.mins, n, kernel.int4, kernel.isa, kernel.threads, layer=weight.layer
-        )
+    if weight.mins is not None:  # int4 (8-bit groups): every part's columns, padded to whole tiles
+        n, kind = weight.packed.shape[1] * pack.N_TILE, q4ffi.kind_for(weight.packed, kernel.int4)
+        y = q4ffi.matmul_int4(x, *weight[:2], weight.mins, n, kind, kernel.isa, kernel.threads, layer=weight.layer)
     else:
         y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
     outs, at = [], 0

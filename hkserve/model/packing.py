@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from hkserve.kernels import pack, pack4
+from hkserve.model.int4 import is_int8_group
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -23,8 +24,9 @@ def pack_params(params: dict, served: dict) -> dict:
     out: dict = {}
     for module, names in params.items():
         out[module] = {}
-        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 (kernels/pack4.py)
-            packed = dict(zip(("w", "scale", "min"), pack4.pack4(names["w"], names["scale"], names["min"])))
+        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 or 8-bit groups (kernels/pack4.py)
+            pack_groups = pack4.pack8 if is_int8_group(names) else pack4.pack4
+            packed = dict(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
             out[module] = {**names, **packed}
             assert all(packed[n].shape == served[module][n].shape for n in packed), module
             continue
@@ -58,8 +60,8 @@ def fuse(params: dict) -> dict:
                 continue
             parent = module[: -len(parts[0])]
             entries = [params.get(parent + part) for part in parts]
-            if not all(_fusable(e) for e in entries):
-                continue
+            if not all(_fusable(e) for e in entries) or len({e["w"].shape[-1] for e in entries}) > 1:
+                continue  # (int4 and 8-bit groups are not fused together)
             for part in parts:
                 del out[parent + part]
             if "min" in entries[0]:  # int4: w, scale and min are all per tile [L, N/64, ...]

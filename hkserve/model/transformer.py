@@ -139,7 +139,7 @@ def _decoder(
     if c.tie_embeddings:
         logits = embed.unembed(x)
     else:
-        logits = Linear(c.vocab_size, dtype, "lm_head")(x)
+        logits = Linear(c.vocab_size, param_dtype(c, "lm_head"), "lm_head")(x)
     if last_only:
         logits = logits[:, 0]  # [B, V]
     logits = logits * c.output_multiplier
