@@ -1,6 +1,9 @@
 """Remake tests/fixtures/gguf/*: llama.cpp's own converter (`convert_hf_to_gguf.py --outtype f32`) run on
-the HF fixtures of tests/fixtures/hf that llama.cpp has an architecture for (Qwen2-MoE, Qwen3-MoE). The
-weights are the HF fixture's, so a correct GGUF import reproduces that fixture's reference.json.
+the HF fixtures of tests/fixtures/hf that llama.cpp has an architecture for (Qwen2-MoE, Qwen3-MoE,
+Granite, OLMo 2, SmolLM3; linear RoPE scaling as llama). The weights are the HF fixture's, so a correct
+GGUF import reproduces that fixture's reference.json, except where the converter drops what transformers
+reads (SmolLM3's no_rope_layers: llama.cpp fixes every 4th layer). scripts/record_llama_logits.py then
+records llama.cpp's own logits beside each file.
 
 The converter is the one vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, as ../shared/fixtures/gguf):
 
@@ -11,12 +14,14 @@ The converter is the one vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e5709
 
 The tiny checkpoints have no tokenizer: one is trained here (SentencePiece BPE, 128 pieces, unk 0, <s> 1,
 </s> 2) and the converter is told to read it as SentencePiece (its Qwen-MoE path expects a GPT-2 BPE
-tokenizer.json of a known pre-tokenizer); only the tokenizer metadata depends on that, never a weight.
+tokenizer.json of a known pre-tokenizer, OLMo 2's too); only the tokenizer metadata depends on that, never
+a weight.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import sys
 import tempfile
@@ -25,7 +30,7 @@ from pathlib import Path
 import sentencepiece
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-NAMES = ["tiny-qwen2-moe", "tiny-qwen3-moe"]
+NAMES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-granite", "tiny-olmo2", "tiny-smollm3", "tiny-rope-linear"]
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "pack my box with five dozen liquor jugs",
@@ -48,9 +53,10 @@ def train_tokenizer(path: Path) -> None:
 def convert(llama_cpp: Path, name: str) -> None:
     sys.path.insert(0, str(llama_cpp))
     import convert_hf_to_gguf  # llama.cpp's, found through its directory only
-    from conversion import qwen
+    from conversion import get_model_class
 
-    qwen.Qwen2MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
+    architecture = json.loads((ROOT / "hf" / name / "config.json").read_text())["architectures"][0]
+    get_model_class(architecture).set_vocab = lambda self: self._set_vocab_sentencepiece()
     out = ROOT / "gguf" / name
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,8 +2,9 @@
 and Mixtral come as llama, which llama.cpp writes them as).
 
 What llama.cpp fixes per architecture rather than storing (Gemma's sliding-layer pattern, embedding
-scale and attention scale) is filled in from the family's record, as llama.cpp does; metadata asking
-for what the decoder does not implement (RoPE scaling types but linear, partial rotary dims) is refused.
+scale and attention scale, SmolLM3's layers without RoPE) is filled in from the family's record, as
+llama.cpp does; metadata asking for what the decoder does not implement (RoPE scaling types but linear,
+partial rotary dims, Granite's multipliers in another family) is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +48,37 @@ def _soft_caps(reader: gguf.GGUFReader, family: Family, arch: str, dims: tuple[i
     }
 
 
+# Granite's multipliers as llama.cpp names them (after "{arch}."): embeddings, attention scores (in place
+# of 1/sqrt(head_dim)), each sub-block's output before the residual add, logits (divided by it).
+_MULTIPLIER_KEYS = ("embedding_scale", "attention.scale", "residual_scale", "logit_scale")
+NO_ROPE_STEP = 4  # llama.cpp's smollm3: every 4th layer without RoPE (fixed there, not in the file)
+
+
+def _multipliers(reader: gguf.GGUFReader, family: Family, arch: str) -> dict:
+    """Granite's four scalars; 0 or absent = none, as llama.cpp reads them. Another family's file
+    carrying one is refused (its decoder would ignore it)."""
+    values = {key: field(reader, f"{arch}.{key}") for key in _MULTIPLIER_KEYS}
+    if not family.multipliers:
+        present = [key for key, value in values.items() if value is not None]
+        if present:
+            raise ImportFormatError(f"{arch}: {', '.join(present)} in GGUF metadata is not supported for this family")
+        return {}
+    embedding, attention, residual, logit = (float(values[key] or 0.0) for key in _MULTIPLIER_KEYS)
+    return {
+        "embedding_multiplier": embedding or 1.0,
+        "attn_multiplier": attention,  # 0 = 1/sqrt(head_dim)
+        "residual_multiplier": residual or 1.0,
+        "output_multiplier": 1.0 / logit if logit else 1.0,
+    }
+
+
+def _no_rope_layers(family: Family, n_layers: int) -> dict:
+    if not family.nope_layers:
+        return {}
+    flags = tuple((i + 1) % NO_ROPE_STEP != 0 for i in range(n_layers))
+    return {"rope_layers": () if all(flags) else flags}
+
+
 def _rope_freq_factors(reader: gguf.GGUFReader, arch: str, head_dim: int) -> tuple[float, ...]:
     """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight, or linear
     scaling's one factor (rope.scaling.type "linear": llama.cpp divides every frequency by it). The
@@ -81,7 +113,8 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}
-    options = {**family.options, **_sliding(reader, family, arch, n_layers)}
+    options = {**family.options, **_sliding(reader, family, arch, n_layers), **_multipliers(reader, family, arch)}
+    options.update(_no_rope_layers(family, n_layers))
     if family.soft_caps:
         options.update(_soft_caps(reader, family, arch, (dim, heads, head_dim, n_layers)))
     if family.gguf_moe_routing:
