@@ -1,6 +1,6 @@
 """Remake tests/fixtures/gguf/*: llama.cpp's own converter (`convert_hf_to_gguf.py --outtype f32`) run on
 the HF fixtures of tests/fixtures/hf that llama.cpp has an architecture for (Qwen2-MoE, Qwen3-MoE,
-Granite, OLMo 2, SmolLM3; linear RoPE scaling as llama). The weights are the HF fixture's, so a correct
+Granite, OLMo 2, SmolLM3; linear and yarn RoPE scaling as llama). The weights are the HF fixture's, so a correct
 GGUF import reproduces that fixture's reference.json, except where the converter drops what transformers
 reads (SmolLM3's no_rope_layers: llama.cpp fixes every 4th layer). scripts/record_llama_logits.py then
 records llama.cpp's own logits beside each file.
@@ -30,7 +30,15 @@ from pathlib import Path
 import sentencepiece
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-NAMES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-granite", "tiny-olmo2", "tiny-smollm3", "tiny-rope-linear"]
+NAMES = [
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-smollm3",
+    "tiny-rope-linear",
+    "tiny-rope-yarn",
+]
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "pack my box with five dozen liquor jugs",

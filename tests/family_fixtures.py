@@ -43,7 +43,15 @@ LOCAL = [
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # llama.cpp's converter on some of those (tests/fixtures/gguf, remade by scripts/make_family_gguf.py), each
 # with llama.cpp's own logits (reference_llamacpp.json, scripts/record_llama_logits.py)
-LOCAL_GGUF = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-granite", "tiny-olmo2", "tiny-smollm3", "tiny-rope-linear"]
+LOCAL_GGUF = [
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-smollm3",
+    "tiny-rope-linear",
+    "tiny-rope-yarn",
+]
 
 
 def fixture(*parts: str) -> Path:

@@ -128,16 +128,17 @@ def test_qwen_moe_gguf_routing_is_llama_cpps_and_a_shared_expert_needs_its_tenso
         config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3s.gguf", "qwen3moe", 40)))
 
 
-def _dense_gguf(path: Path, arch: str, n_layers: int, scales: dict[str, float]) -> Path:
-    """A GGUF of metadata only: a dense model of `n_layers`, with `scales` ({key after "arch.": value})."""
+def _dense_gguf(path: Path, arch: str, n_layers: int, keys: dict[str, float | int | str]) -> Path:
+    """A GGUF of metadata only: a dense model of `n_layers`, with `keys` ({key after "arch.": value})."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n_layers)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
     w.add_head_count(2)
     w.add_vocab_size(128)
-    for key, value in scales.items():
-        w.add_float32(f"{arch}.{key}", value)
+    add = {float: w.add_float32, int: w.add_uint32, str: w.add_string}
+    for key, value in keys.items():
+        add[type(value)](f"{arch}.{key}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
@@ -172,3 +173,26 @@ def test_smollm3_gguf_has_no_rope_on_every_4th_layer_as_llama_cpp_fixes_it(tmp_p
 def test_olmo2_gguf_has_only_after_norms_and_full_width_qk_norms(tmp_path):
     config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "o.gguf", "olmo2", 2, {})))
     assert (config.pre_norms, config.sandwich_norms, config.qk_norm, config.qk_norm_full) == (False, True, True, True)
+
+
+YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}
+
+
+def test_yarn_gguf_keys_whose_meaning_is_unchecked_are_refused(tmp_path):
+    """llama.cpp multiplies its own mscale by yarn_attn_factor (transformers' attention_factor replaces
+    it) and scales the ramp by yarn_ext_factor: only their neutral values import; the original context
+    is required."""
+    config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "y.gguf", "llama", 2, {**YARN})))
+    assert config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+    neutral = {"rope.scaling.yarn_attn_factor": 1.0, "rope.scaling.yarn_ext_factor": 1.0}
+    assert config_from_gguf(open_gguf(_dense_gguf(tmp_path / "n.gguf", "llama", 2, {**YARN, **neutral}))) == config
+    for key, value in [("yarn_attn_factor", 1.5), ("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1)]:
+        with pytest.raises(ImportFormatError, match=key):
+            config_from_gguf(
+                open_gguf(_dense_gguf(tmp_path / f"{key}.gguf", "llama", 2, {**YARN, f"rope.scaling.{key}": value}))
+            )
+    no_context = {k: v for k, v in YARN.items() if "original" not in k}
+    with pytest.raises(ImportFormatError, match="original_context_length"):
+        config_from_gguf(open_gguf(_dense_gguf(tmp_path / "c.gguf", "llama", 2, no_context)))
+    with pytest.raises(ImportFormatError, match="longrope"):
+        config_from_gguf(open_gguf(_dense_gguf(tmp_path / "l.gguf", "llama", 2, {"rope.scaling.type": "longrope"})))
