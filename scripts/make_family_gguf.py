@@ -12,6 +12,8 @@ The converter is the one vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e5709
     .venv/bin/pip install 'transformers>=4.45' torch sentencepiece
     .venv/bin/python scripts/make_family_gguf.py /tmp/llama_cpp_python-0.3.36/vendor/llama.cpp [NAME...]
 
+(NAME: a directory of tests/fixtures/hf; by default every one that tests/fixtures/gguf already has.)
+
 The tiny checkpoints have no tokenizer: one is trained here (SentencePiece BPE, 128 pieces, unk 0, <s> 1,
 </s> 2) and the converter is told to read it as SentencePiece (its Qwen-MoE path expects a GPT-2 BPE
 tokenizer.json of a known pre-tokenizer, OLMo 2's too); only the tokenizer metadata depends on that, never
@@ -30,15 +32,6 @@ from pathlib import Path
 import sentencepiece
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-NAMES = [
-    "tiny-qwen2-moe",
-    "tiny-qwen3-moe",
-    "tiny-granite",
-    "tiny-olmo2",
-    "tiny-smollm3",
-    "tiny-rope-linear",
-    "tiny-rope-yarn",
-]
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "pack my box with five dozen liquor jugs",
@@ -79,7 +72,8 @@ def convert(llama_cpp: Path, name: str) -> None:
 
 def main() -> None:
     llama_cpp = Path(sys.argv[1])
-    for name in sys.argv[2:] or NAMES:
+    names = sys.argv[2:] or sorted(p.name for p in (ROOT / "gguf").iterdir() if p.is_dir())
+    for name in names:
         convert(llama_cpp, name)
 
 
