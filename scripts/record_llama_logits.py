@@ -41,7 +41,8 @@ def llama_logits(path: Path, rows: list[list[int]]) -> np.ndarray:
 
 def record(name: str) -> None:
     path = FIXTURES / "gguf" / name / f"{name}.f32.gguf"
-    hf = json.loads((FIXTURES / "hf" / name / "reference.json").read_text())
+    variant = path.parent / "reference.json"  # make_family_gguf.py's VARIANTS keep theirs beside the GGUF
+    hf = json.loads((variant if variant.exists() else FIXTURES / "hf" / name / "reference.json").read_text())
     logits = llama_logits(path, hf["input_ids"])
     diff = float(np.abs(logits - np.asarray(hf["logits"], np.float32)).max())
     reference = {

@@ -51,7 +51,10 @@ LOCAL_GGUF = [
     "tiny-smollm3",
     "tiny-rope-linear",
     "tiny-rope-yarn",
+    "tiny-smollm3-4",
 ]
+# those of LOCAL_GGUF with no HF fixture: their transformers reference.json lies beside the GGUF file
+GGUF_VARIANTS = ["tiny-smollm3-4"]
 
 
 def fixture(*parts: str) -> Path:

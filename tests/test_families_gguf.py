@@ -1,5 +1,5 @@
-"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen-MoE, Granite, OLMo 2, SmolLM3
-and linear RoPE from tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the
+"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen-MoE, Granite, OLMo 2, SmolLM3,
+linear and yarn RoPE from tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the
 same weights and llama.cpp's own for the same file, the q8_0 file is near llama.cpp's, and greedy text
 generation runs with the GGUF's tokenizer."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from family_fixtures import GGUF, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
+from family_fixtures import GGUF, GGUF_VARIANTS, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
 
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.gguf_config import config_from_gguf
@@ -56,7 +56,8 @@ def gguf_case(name: str) -> tuple[Path, list[tuple[str, dict, float]]]:
         llama_cpp = ("llama.cpp", json.loads(local_gguf(name, "reference_llamacpp.json").read_text()), 1e-4)
         if name == "tiny-smollm3":  # no_rope_layers [1, 0] is lost: llama.cpp fixes RoPE off on every 4th layer
             return local_gguf(name), [llama_cpp]
-        transformers = ("transformers", json.loads((local_fixture(name) / "reference.json").read_text()), 1e-4)
+        hf = local_gguf(name, "reference.json") if name in GGUF_VARIANTS else local_fixture(name) / "reference.json"
+        transformers = ("transformers", json.loads(hf.read_text()), 1e-4)
         return local_gguf(name), [transformers, llama_cpp]
     if name == "tiny-mistral-swa":  # llama.cpp writes Mistral as plain llama: no window in this file
         ref = reference(name, "reference_llamacpp.json", kind="gguf")
