@@ -41,8 +41,20 @@ LOCAL = [
     "tiny-qwen3-moe",
 ]
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-# llama.cpp's converter on some of those (tests/fixtures/gguf, remade by scripts/make_family_gguf.py)
-LOCAL_GGUF = ["tiny-qwen2-moe", "tiny-qwen3-moe"]
+# llama.cpp's converter on some of those (tests/fixtures/gguf, remade by scripts/make_family_gguf.py), each
+# with llama.cpp's own logits (reference_llamacpp.json, scripts/record_llama_logits.py)
+LOCAL_GGUF = [
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-granite",
+    "tiny-olmo2",
+    "tiny-smollm3",
+    "tiny-rope-linear",
+    "tiny-rope-yarn",
+    "tiny-smollm3-4",
+]
+# those of LOCAL_GGUF with no HF fixture: their transformers reference.json lies beside the GGUF file
+GGUF_VARIANTS = ["tiny-smollm3-4"]
 
 
 def fixture(*parts: str) -> Path:
@@ -59,10 +71,11 @@ def local_fixture(name: str) -> Path:
     return path
 
 
-def local_gguf(name: str) -> Path:
-    path = LOCAL_FIXTURES.parent / "gguf" / name / f"{name}.f32.gguf"
+def local_gguf(name: str, file: str = "") -> Path:
+    """tests/fixtures/gguf/<name>/<file> (default: the f32 GGUF file)."""
+    path = LOCAL_FIXTURES.parent / "gguf" / name / (file or f"{name}.f32.gguf")
     if not path.exists():
-        pytest.fail(f"missing fixture {path} (scripts/make_family_gguf.py remakes it)")
+        pytest.fail(f"missing fixture {path} (scripts/make_family_gguf.py, record_llama_logits.py remake it)")
     return path
 
 

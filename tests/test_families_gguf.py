@@ -1,6 +1,7 @@
-"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen2-MoE and Qwen3-MoE from
-tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the same weights, the
-q8_0 file is near llama.cpp's own logits, and greedy text generation runs with the GGUF's tokenizer."""
+"""Every GGUF fixture (llama.cpp's own converter output for each family; Qwen-MoE, Granite, OLMo 2, SmolLM3,
+linear and yarn RoPE from tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the
+same weights and llama.cpp's own for the same file, the q8_0 file is near llama.cpp's, and greedy text
+generation runs with the GGUF's tokenizer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from family_fixtures import GGUF, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
+from family_fixtures import GGUF, GGUF_VARIANTS, LOCAL_GGUF, fixture, full_logits, local_fixture, local_gguf, reference
 
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.gguf_config import config_from_gguf
@@ -23,7 +24,8 @@ from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 
-# (bos, eos) as llama.cpp's converter wrote them (Qwen's HF configs have none, Phi-3's EOS is out of vocabulary)
+# (bos, eos) as llama.cpp's converter wrote them (Qwen's HF configs have none, Phi-3's EOS is out of vocabulary,
+# tiny-olmo2's config has no BOS and an EOS out of its vocabulary)
 SPECIALS = {
     "tiny-gemma2": (2, 1),
     "tiny-gemma3": (2, 1),
@@ -32,6 +34,7 @@ SPECIALS = {
     "tiny-qwen3": (None, None),
     "tiny-qwen2-moe": (None, None),
     "tiny-qwen3-moe": (None, None),
+    "tiny-olmo2": (None, None),
 }
 
 
@@ -47,22 +50,29 @@ def converted(store: ModelStore, source: Path, file: str):
     return build_model(info.config), store.params(file), store.tokenizer(file)
 
 
-def gguf_case(name: str) -> tuple[Path, dict, float]:
-    """(the GGUF file, the reference its logits must match, their tolerance)."""
-    if name in LOCAL_GGUF:  # tests/fixtures: the HF fixture of the same weights
-        return local_gguf(name), json.loads((local_fixture(name) / "reference.json").read_text()), 1e-4
+def gguf_case(name: str) -> tuple[Path, list[tuple[str, dict, float]]]:
+    """(the GGUF file, [(whose, the reference its logits must match, their tolerance)])."""
+    if name in LOCAL_GGUF:  # tests/fixtures: llama.cpp's logits (f32 KV cache) and the HF fixture's weights
+        llama_cpp = ("llama.cpp", json.loads(local_gguf(name, "reference_llamacpp.json").read_text()), 1e-4)
+        if name == "tiny-smollm3":  # no_rope_layers [1, 0] is lost: llama.cpp fixes RoPE off on every 4th layer
+            return local_gguf(name), [llama_cpp]
+        hf = local_gguf(name, "reference.json") if name in GGUF_VARIANTS else local_fixture(name) / "reference.json"
+        transformers = ("transformers", json.loads(hf.read_text()), 1e-4)
+        return local_gguf(name), [transformers, llama_cpp]
     if name == "tiny-mistral-swa":  # llama.cpp writes Mistral as plain llama: no window in this file
-        return fixture("gguf", name, f"{name}.f32.gguf"), reference(name, "reference_llamacpp.json", kind="gguf"), 1e-3
-    return fixture("gguf", name, f"{name}.f32.gguf"), reference(name), 1e-4
+        ref = reference(name, "reference_llamacpp.json", kind="gguf")
+        return fixture("gguf", name, f"{name}.f32.gguf"), [("llama.cpp", ref, 1e-3)]
+    return fixture("gguf", name, f"{name}.f32.gguf"), [("transformers", reference(name), 1e-4)]
 
 
 @pytest.mark.parametrize("name", GGUF + LOCAL_GGUF)
 def test_converted_gguf_matches_reference_and_generates_text(store, name):
-    path, ref, atol = gguf_case(name)
+    path, refs = gguf_case(name)
     model, params, tokenizer = converted(store, path, path.name)
-    logits = full_logits(model, params, ref["input_ids"], pad_to=32)
-    print(f"{name}: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
-    np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=atol, rtol=0)
+    for whose, ref, atol in refs:
+        logits = full_logits(model, params, ref["input_ids"], pad_to=32)
+        print(f"{name} vs {whose}: max |diff| {np.abs(logits - np.asarray(ref['logits'])).max():.2e}")
+        np.testing.assert_allclose(logits, np.asarray(ref["logits"]), atol=atol, rtol=0, err_msg=whose)
 
     assert (tokenizer.bos_id, tokenizer.eos_id) == SPECIALS.get(name, (1, 2))
     prompt = tokenizer.encode("the quick brown fox")
@@ -117,3 +127,73 @@ def test_qwen_moe_gguf_routing_is_llama_cpps_and_a_shared_expert_needs_its_tenso
     assert (qwen3.moe_routing, qwen3.shared_expert_dim) == ("mixtral", 0)
     with pytest.raises(ImportFormatError, match="shared expert"):
         config_from_gguf(open_gguf(_moe_gguf(tmp_path / "q3s.gguf", "qwen3moe", 40)))
+
+
+def _dense_gguf(path: Path, arch: str, n_layers: int, keys: dict[str, float | int | str]) -> Path:
+    """A GGUF of metadata only: a dense model of `n_layers`, with `keys` ({key after "arch.": value})."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_vocab_size(128)
+    add = {float: w.add_float32, int: w.add_uint32, str: w.add_string}
+    for key, value in keys.items():
+        add[type(value)](f"{arch}.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+GRANITE_SCALES = {"embedding_scale": 3.0, "attention.scale": 0.25, "residual_scale": 0.5, "logit_scale": 2.5}
+
+
+def test_granite_gguf_scales_are_its_multipliers_and_another_family_refuses_them(tmp_path):
+    """llama.cpp's granite: embeddings x embedding_scale, scores x attention.scale (absent: 1/sqrt(head_dim)),
+    sub-blocks x residual_scale, logits / logit_scale. Elsewhere llama.cpp ignores them: refused."""
+    config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "g.gguf", "granite", 2, GRANITE_SCALES)))
+    assert (config.embedding_multiplier, config.attn_multiplier) == (3.0, 0.25)
+    assert (config.residual_multiplier, config.output_multiplier) == (0.5, 0.4)
+    plain = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "p.gguf", "granite", 2, {})))
+    assert (plain.embedding_multiplier, plain.attn_multiplier, plain.residual_multiplier) == (1.0, 0.0, 1.0)
+    assert plain.output_multiplier == 1.0
+    for arch in ("llama", "smollm3", "olmo2"):
+        with pytest.raises(ImportFormatError, match="logit_scale"):
+            config_from_gguf(open_gguf(_dense_gguf(tmp_path / f"{arch}.gguf", arch, 2, {"logit_scale": 2.5})))
+
+
+def test_smollm3_gguf_has_no_rope_on_every_4th_layer_as_llama_cpp_fixes_it(tmp_path):
+    """The file says nothing (the converter drops no_rope_layers): llama.cpp's step of 4 decides."""
+    config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "s.gguf", "smollm3", 8, {})))
+    assert config.rope_layers == (True, True, True, False, True, True, True, False)
+    assert config_from_gguf(open_gguf(_dense_gguf(tmp_path / "s2.gguf", "smollm3", 2, {}))).rope_layers == ()
+    assert config_from_gguf(open_gguf(_dense_gguf(tmp_path / "l.gguf", "llama", 8, {}))).rope_layers == ()
+
+
+def test_olmo2_gguf_has_only_after_norms_and_full_width_qk_norms(tmp_path):
+    config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "o.gguf", "olmo2", 2, {})))
+    assert (config.pre_norms, config.sandwich_norms, config.qk_norm, config.qk_norm_full) == (False, True, True, True)
+
+
+YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}
+
+
+def test_yarn_gguf_keys_whose_meaning_is_unchecked_are_refused(tmp_path):
+    """llama.cpp multiplies its own mscale by yarn_attn_factor (transformers' attention_factor replaces
+    it) and scales the ramp by yarn_ext_factor: only their neutral values import; the original context
+    is required."""
+    config = config_from_gguf(open_gguf(_dense_gguf(tmp_path / "y.gguf", "llama", 2, {**YARN})))
+    assert config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+    neutral = {"rope.scaling.yarn_attn_factor": 1.0, "rope.scaling.yarn_ext_factor": 1.0}
+    assert config_from_gguf(open_gguf(_dense_gguf(tmp_path / "n.gguf", "llama", 2, {**YARN, **neutral}))) == config
+    for key, value in [("yarn_attn_factor", 1.5), ("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1)]:
+        with pytest.raises(ImportFormatError, match=key):
+            config_from_gguf(
+                open_gguf(_dense_gguf(tmp_path / f"{key}.gguf", "llama", 2, {**YARN, f"rope.scaling.{key}": value}))
+            )
+    no_context = {k: v for k, v in YARN.items() if "original" not in k}
+    with pytest.raises(ImportFormatError, match="original_context_length"):
+        config_from_gguf(open_gguf(_dense_gguf(tmp_path / "c.gguf", "llama", 2, no_context)))
+    with pytest.raises(ImportFormatError, match="longrope"):
+        config_from_gguf(open_gguf(_dense_gguf(tmp_path / "l.gguf", "llama", 2, {"rope.scaling.type": "longrope"})))

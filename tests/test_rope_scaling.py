@@ -74,10 +74,14 @@ def _llama_gguf(path: Path, scaling: str, factor: float) -> Path:
     return path
 
 
-def test_gguf_linear_scaling_divides_every_frequency_and_yarn_stays_refused(tmp_path):
-    """llama.cpp applies linear scaling as freq_scale = 1 / factor on every frequency; its YaRN
-    (own ramp and attention factor) is not checked against llama.cpp yet, so it is refused."""
+def test_gguf_linear_and_yarn_scaling_import_and_longrope_stays_refused(tmp_path):
+    """llama.cpp applies linear scaling as freq_scale = 1 / factor on every frequency; its YaRN is
+    transformers' (checked against llama.cpp on tests/fixtures/gguf/tiny-rope-yarn); longrope (llama.cpp
+    keeps its factors as tensors) is not checked against llama.cpp yet, so it is refused."""
     config = config_from_gguf(open_gguf(_llama_gguf(tmp_path / "linear.gguf", "linear", 4.0)))
     assert config.rope_freq_factors == (4.0,) * 8 and config.rope_attn_factor == 1.0
-    with pytest.raises(ImportFormatError, match="RoPE scaling 'yarn' is not supported"):
-        config_from_gguf(open_gguf(_llama_gguf(tmp_path / "yarn.gguf", "yarn", 4.0)))
+    yarn = config_from_gguf(open_gguf(_llama_gguf(tmp_path / "yarn.gguf", "yarn", 4.0)))
+    assert yarn.rope_attn_factor == pytest.approx(1 + 0.1 * math.log(4.0))
+    assert yarn.rope_freq_factors[0] == 1.0 and yarn.rope_freq_factors[-1] == pytest.approx(4.0)
+    with pytest.raises(ImportFormatError, match="RoPE scaling 'longrope' is not supported"):
+        config_from_gguf(open_gguf(_llama_gguf(tmp_path / "longrope.gguf", "longrope", 4.0)))

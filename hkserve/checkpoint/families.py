@@ -147,12 +147,14 @@ QWEN3_MOE = Family(
     "qwen3_moe", {"qk_norm": True}, HF_QWEN_MOE_NAMES, GGUF_NAMES, **QWEN_MOE, hf_keys=QWEN_MOE_KEYS,
     hf_architectures=("Qwen3MoeForCausalLM",), gguf_architecture="qwen3moe", gguf_moe_routing="mixtral",
 )  # fmt: skip
-# Granite (3.x dense): Llama's tensors and four scalar multipliers; HF only for now.
+# Granite (3.x dense): Llama's tensors and four scalar multipliers (GGUF: the *_scale keys).
 GRANITE = Family(
     "granite",
     {},
     hf=HF_NAMES,
+    gguf=GGUF_LLAMA_NAMES,
     hf_architectures=("GraniteForCausalLM",),
+    gguf_architecture="granite",
     hf_keys=frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"}),
     multipliers=True,
 )
@@ -166,14 +168,19 @@ OLMO2 = Family(
         post_attn_norm="post_attention_layernorm.weight",
         post_mlp_norm="post_feedforward_layernorm.weight",
     ),
+    gguf=GGUF_NAMES.replace(attn_norm="", mlp_norm=""),
     hf_architectures=("Olmo2ForCausalLM",),
+    gguf_architecture="olmo2",
 )
-# SmolLM3: Llama with no RoPE on every 4th layer (no_rope_layers); a window only with use_sliding_window.
+# SmolLM3: Llama with no RoPE on every 4th layer (no_rope_layers; llama.cpp fixes every 4th); a window
+# only with use_sliding_window.
 SMOLLM3 = Family(
     "smollm3",
     {},
     hf=HF_NAMES,
+    gguf=GGUF_LLAMA_NAMES,
     hf_architectures=("SmolLM3ForCausalLM",),
+    gguf_architecture="smollm3",
     hf_keys=frozenset({"use_sliding_window", "no_rope_layers", "no_rope_layer_interval"}),
     sliding_opt_in=True,
     tied_by_default=True,

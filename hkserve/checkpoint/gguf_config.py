@@ -2,8 +2,9 @@
 and Mixtral come as llama, which llama.cpp writes them as).
 
 What llama.cpp fixes per architecture rather than storing (Gemma's sliding-layer pattern, embedding
-scale and attention scale) is filled in from the family's record, as llama.cpp does; metadata asking
-for what the decoder does not implement (RoPE scaling types but linear, partial rotary dims) is refused.
+scale and attention scale, SmolLM3's layers without RoPE) is filled in from the family's record, as
+llama.cpp does; metadata asking for what the decoder does not implement (RoPE scaling types but linear and yarn,
+partial rotary dims, Granite's multipliers in another family) is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hkserve.checkpoint.families import gguf_family
 from hkserve.checkpoint.family import Family
 from hkserve.checkpoint.gguf_reader import dequantize, field
 from hkserve.checkpoint.params import ImportFormatError
+from hkserve.checkpoint.rope_scaling import RopeScaling, rope_scaling
 from hkserve.checkpoint.rope_windows import sliding_by_pattern
 from hkserve.model.config import ModelConfig
 
@@ -47,19 +49,77 @@ def _soft_caps(reader: gguf.GGUFReader, family: Family, arch: str, dims: tuple[i
     }
 
 
-def _rope_freq_factors(reader: gguf.GGUFReader, arch: str, head_dim: int) -> tuple[float, ...]:
-    """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight, or linear
-    scaling's one factor (rope.scaling.type "linear": llama.cpp divides every frequency by it). The
-    other types (yarn: llama.cpp computes its ramp and attention factor itself) stay refused until
-    they are checked against llama.cpp."""
+# Granite's multipliers as llama.cpp names them (after "{arch}."): embeddings, attention scores (in place
+# of 1/sqrt(head_dim)), each sub-block's output before the residual add, logits (divided by it).
+_MULTIPLIER_KEYS = ("embedding_scale", "attention.scale", "residual_scale", "logit_scale")
+NO_ROPE_STEP = 4  # llama.cpp's smollm3: every 4th layer without RoPE (fixed there, not in the file)
+
+
+def _multipliers(reader: gguf.GGUFReader, family: Family, arch: str) -> dict:
+    """Granite's four scalars; 0 or absent = none, as llama.cpp reads them. Another family's file
+    carrying one is refused (its decoder would ignore it)."""
+    values = {key: field(reader, f"{arch}.{key}") for key in _MULTIPLIER_KEYS}
+    if not family.multipliers:
+        present = [key for key, value in values.items() if value is not None]
+        if present:
+            raise ImportFormatError(f"{arch}: {', '.join(present)} in GGUF metadata is not supported for this family")
+        return {}
+    embedding, attention, residual, logit = (float(values[key] or 0.0) for key in _MULTIPLIER_KEYS)
+    return {
+        "embedding_multiplier": embedding or 1.0,
+        "attn_multiplier": attention,  # 0 = 1/sqrt(head_dim)
+        "residual_multiplier": residual or 1.0,
+        "output_multiplier": 1.0 / logit if logit else 1.0,
+    }
+
+
+def _no_rope_layers(family: Family, n_layers: int) -> dict:
+    if not family.nope_layers:
+        return {}
+    flags = tuple((i + 1) % NO_ROPE_STEP != 0 for i in range(n_layers))
+    return {"rope_layers": () if all(flags) else flags}
+
+
+# llama.cpp's YaRN keys (after "{arch}.rope.scaling.") whose meaning differs from transformers' or is not
+# checked against llama.cpp (its attn_factor multiplies the mscale it computes; ext_factor scales the ramp):
+# refused unless they say what transformers' defaults do.
+_YARN_NEUTRAL = {"yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _yarn(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling:
+    """YaRN as transformers computes it from the same numbers (llama.cpp's ramp, corrections from
+    beta_fast/beta_slow over the original context, and mscale on cos/sin are the same formulas)."""
+    key = f"{arch}.rope.scaling."
+    for name, neutral in _YARN_NEUTRAL.items():
+        value = field(reader, key + name)
+        if value is not None and float(value) != neutral:
+            raise ImportFormatError(f"{arch}: RoPE scaling yarn with {name} {value} is not supported")
+    rope = {
+        "factor": float(field(reader, key + "factor", 1.0)),
+        "original_max_position_embeddings": int(field(reader, key + "original_context_length", 0) or 0),
+        "beta_fast": field(reader, key + "yarn_beta_fast"),
+        "beta_slow": field(reader, key + "yarn_beta_slow"),
+    }
+    if not rope["original_max_position_embeddings"]:
+        raise ImportFormatError(f"GGUF metadata lacks {key}original_context_length (yarn)")
+    return rope_scaling("yarn", rope, head_dim, theta, 0)
+
+
+def _rope(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict:
+    """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight, linear
+    scaling's one factor (llama.cpp divides every frequency by it) or YaRN's; the other types
+    (longrope, whose factors llama.cpp keeps as tensors) stay refused until checked against llama.cpp."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factors = () if tensor is None else tuple(float(x) for x in np.ravel(dequantize(tensor)))
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling == "linear" and not factors:
-        return (float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),) * (head_dim // 2)
-    if scaling not in ("none", None):
-        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported (supported in GGUF: linear)")
-    return factors
+        factors = (float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),) * (head_dim // 2)
+    elif scaling == "yarn" and not factors:
+        yarn = _yarn(reader, arch, head_dim, theta)
+        return {"rope_freq_factors": yarn.freq_factors, "rope_attn_factor": yarn.attn_factor}
+    elif scaling not in ("none", None):
+        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported (supported in GGUF: linear, yarn)")
+    return {"rope_freq_factors": factors}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
@@ -81,7 +141,10 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}
-    options = {**family.options, **_sliding(reader, family, arch, n_layers)}
+    theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
+    options = {**family.options, **_sliding(reader, family, arch, n_layers), **_multipliers(reader, family, arch)}
+    options.update(_rope(reader, arch, head_dim, theta))
+    options.update(_no_rope_layers(family, n_layers))
     if family.soft_caps:
         options.update(_soft_caps(reader, family, arch, (dim, heads, head_dim, n_layers)))
     if family.gguf_moe_routing:
@@ -99,8 +162,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
         ffn_dim=int(field(reader, f"{arch}.expert_feed_forward_length", None) or need("feed_forward_length")),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_freq_factors=_rope_freq_factors(reader, arch, head_dim),
+        rope_theta=theta,
         norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=family.gguf.lm_head not in names,
         context_length=int(field(reader, f"{arch}.context_length", 2048)),
