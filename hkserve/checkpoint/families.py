@@ -179,6 +179,34 @@ SMOLLM3 = Family(
     tied_by_default=True,
     nope_layers=True,
 )
+# gpt-oss: attention sinks, q/k/v/o biases, sliding/full layers, yarn; experts stored [E, in, out] with
+# gate|up interleaved by columns, biases on the router and every expert product, clamped SwiGLU. HF only:
+# llama.cpp's converter writes its experts as MXFP4, which the GGUF importer does not read.
+HF_GPT_OSS_NAMES = HF_NAMES.replace(
+    o_bias="self_attn.o_proj.bias",
+    sinks="self_attn.sinks",
+    router="mlp.router.weight",
+    router_bias="mlp.router.bias",
+    expert_gate="",
+    expert_up="",
+    expert_gate_up="mlp.experts.gate_up_proj",
+    expert_gate_up_bias="mlp.experts.gate_up_proj_bias",
+    expert_down="mlp.experts.down_proj",
+    expert_down_bias="mlp.experts.down_proj_bias",
+    experts_in_out=True,
+)
+GPT_OSS = Family(
+    "gpt_oss",
+    {"attn_sinks": True, "moe_biases": True, "moe_activation": "clamped_swiglu"},
+    hf=HF_GPT_OSS_NAMES,
+    hf_architectures=("GptOssForCausalLM",),
+    hf_keys=frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
+    hf_activations=("silu",),
+    activation_option="",
+    default_rope_theta=150000.0,
+    sliding_pattern=2,  # transformers' default layer_types: alternating, sliding first
+    gpt_oss=True,
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -230,6 +258,7 @@ _ALL = (
     GRANITE,
     OLMO2,
     SMOLLM3,
+    GPT_OSS,
     GROK,
 )
 for _family in _ALL:
