@@ -15,6 +15,7 @@ from test_families import full_and_cached_logits
 from hkserve.checkpoint.families import gguf_family
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.hf_config import config_from_hf
+from hkserve.checkpoint.hf_write import hf_writable
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.kernels import dispatch
@@ -42,6 +43,18 @@ def test_config_reads_every_gpt_oss_option():
     assert not (unbiased.qkv_bias or unbiased.o_bias)
     del cfg["layer_types"]  # transformers' default: alternating, sliding first
     assert config_from_hf({**cfg, "num_hidden_layers": 4}).sliding_layers == (True, False) * 2
+
+
+def test_the_hf_writer_refuses_each_gpt_oss_option():
+    """hf_write.py writes Llama/Mixtral tensors: a config with any of gpt-oss's options is not writable."""
+    cfg, _ = _fixture()
+    plain = {"qkv_bias": False, "o_bias": False, "attn_sinks": False, "moe_biases": False, "moe_activation": "silu"}
+    plain |= {"swiglu_limit": 0.0, "swiglu_alpha": 0.0, "sliding_window": 0, "sliding_layers": ()}
+    mixtral_like = config_from_hf(cfg).replace(**plain, rope_freq_factors=(), rope_attn_factor=1.0)
+    assert hf_writable(mixtral_like)
+    clamped = {"moe_activation": "clamped_swiglu", "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+    for change in ({"o_bias": True}, {"attn_sinks": True}, {"moe_biases": True}, clamped):
+        assert not hf_writable(mixtral_like.replace(**change)), change
 
 
 def test_cpu_kernels_leave_the_sink_attention_to_xla(monkeypatch):
@@ -95,4 +108,5 @@ def test_clamped_swiglu_needs_its_constants_and_gguf_is_refused():
     with pytest.raises(ValueError, match="clamped_swiglu"):
         ModelConfig(**base, swiglu_limit=7.0, swiglu_alpha=1.702)  # the constants without the activation
     with pytest.raises(ImportFormatError, match="'gpt-oss'"):
-        gguf_family("gpt-oss")  # llama.cpp writes its experts as MXFP4, which the GGUF importer does not read
+        # no fixture: the pinned converter (llama.cpp 0c1e5709) has no gpt-oss class; its files hold MXFP4 experts
+        gguf_family("gpt-oss")
