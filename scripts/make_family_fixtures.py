@@ -1,5 +1,5 @@
 """Remake tests/fixtures/hf/*: tiny random checkpoints of each RoPE scaling type and of the families
-added after ../shared/fixtures (Granite, OLMo 2, SmolLM3, Qwen2-MoE, Qwen3-MoE), built and run by
+added after ../shared/fixtures (Granite, OLMo 2, SmolLM3, Qwen2-MoE, Qwen3-MoE, gpt-oss), built and run by
 transformers, with its logits (one forward over two 12-token rows, and its cached path: a 4-token prefill,
 then one token per step) and greedy continuation as the reference the tests compare against.
 The tests read the committed files and never need transformers.
@@ -77,8 +77,33 @@ FAMILIES = {
         {**MOE, "norm_topk_prob": True},
         "qwen3_moe: q/k norms per head, top-2 of 4 experts renormalised (norm_topk_prob), no shared expert",
     ),
+    # gpt-oss: a swiglu_limit small enough that the clamps bite, a window of 4 that the steps pass.
+    "tiny-gpt-oss": (
+        "GptOssConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 24,
+            "initializer_range": 0.1,
+            "sliding_window": 4,
+            "swiglu_limit": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 100.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        "gpt_oss: attention sinks, q/k/v/o biases, sliding/full layers (window 4), yarn RoPE, top-2 of 4 "
+        "experts with router and expert biases, clamped SwiGLU (limit 0.5)",
+    ),
 }
 FIXTURES = {**ROPE_TYPES, **FAMILIES}
+SMALL_BIASES = {"tiny-gpt-oss"}  # biases everywhere (o_proj, router, experts [E, ...]): drawn around 0
 ROWS, LENGTH, PROMPT, NEW = 2, 12, 4, 8
 
 
@@ -102,9 +127,11 @@ def build(name: str, seed: int) -> None:
         config.original_max_position_embeddings = args["rope_parameters"]["original_max_position_embeddings"]
         config.pad_token_id = 0
     model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).float().eval()
-    with torch.no_grad():  # random norms, so a mistake in them shows
-        for param in model.parameters():
-            if param.ndim == 1:
+    with torch.no_grad():  # random norms and biases, so a mistake in them shows
+        for pname, param in model.named_parameters():
+            if name in SMALL_BIASES and pname.endswith("bias"):  # near 0, not 1: the output stays token-dependent
+                param.copy_(0.1 * torch.randn_like(param))
+            elif param.ndim == 1:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
     ids = torch.randint(0, TINY["vocab_size"], (ROWS, LENGTH))
     with torch.no_grad():

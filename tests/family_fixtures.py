@@ -39,6 +39,7 @@ LOCAL = [
     "tiny-smollm3",
     "tiny-qwen2-moe",
     "tiny-qwen3-moe",
+    "tiny-gpt-oss",
 ]
 LOCAL_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # llama.cpp's converter on some of those (tests/fixtures/gguf, remade by scripts/make_family_gguf.py), each

@@ -39,7 +39,7 @@ def test_full_cached_and_engine_greedy_match_transformers(name):
     assert engine_greedy(model, params, ref["greedy_prompt"], len(ref["greedy_ids"])) == ref["greedy_ids"]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_cached_path_matches_transformers_cached_path(name):
     """Our 4-token prefill then one token per step against transformers' own (its KV cache), not only
     against its full forward: the fixtures made since scripts/make_family_fixtures.py records both."""
@@ -51,11 +51,11 @@ def test_cached_path_matches_transformers_cached_path(name):
     np.testing.assert_allclose(cached, want, atol=TOL * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("name", ["tiny-smollm3", "tiny-olmo2", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("name", ["tiny-smollm3", "tiny-olmo2", "tiny-qwen2-moe", "tiny-gpt-oss"])
 def test_layer_loop_and_sharding_rules_cover_the_new_options(name):
     """The layer loop (the GPU default) gets each layer's RoPE switch (SmolLM3), runs without pre-norms
-    (OLMo 2) and with the shared expert (Qwen2-MoE) as the scan does; every param, full-width q/k norms and
-    the shared expert included, has a partition rule."""
+    (OLMo 2), with the shared expert (Qwen2-MoE) and with sinks and biases (gpt-oss) as the scan does; every
+    param, full-width q/k norms, the shared expert, sinks and expert biases included, has a partition rule."""
     path = local_fixture(name)
     ref = json.loads((path / "reference.json").read_text())
     config, params = load_hf(path)

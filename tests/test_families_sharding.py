@@ -1,6 +1,6 @@
 """Sharded equals single-device for the new families: Qwen2 (dense, q/k/v biases, bf16 weights), Gemma 3
-(q/k norms, sliding windows, two RoPE bases) and Qwen2-MoE (experts and the shared expert split on "model")
-on meshes 1x8 and 2x4 of 8 simulated devices."""
+(q/k norms, sliding windows, two RoPE bases), Qwen2-MoE (experts and the shared expert split on "model") and
+gpt-oss (sinks, expert biases split with their experts) on meshes 1x8 and 2x4 of 8 simulated devices."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from family_fixtures import LOCAL, fixture, local_fixture
 from helpers import REPO
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gemma3", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gemma3", "tiny-qwen2-moe", "tiny-gpt-oss"])
 def test_family_on_1x8_and_2x4_equals_single_device_and_reference(tmp_path, name):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
     out = tmp_path / "results.npz"

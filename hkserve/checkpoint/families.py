@@ -186,6 +186,29 @@ SMOLLM3 = Family(
     tied_by_default=True,
     nope_layers=True,
 )
+# gpt-oss: attention sinks, q/k/v/o biases, sliding/full layers, yarn; experts stored [E, in, out] with
+# gate|up interleaved by columns, biases on the router and every expert product, clamped SwiGLU. HF only:
+# the pinned llama.cpp converter (0c1e5709) has no gpt-oss class, and its gpt-oss GGUF files hold MXFP4
+# experts, which the GGUF importer does not read.
+_GPT_OSS_TENSORS = {  # neutral key → HF name (the experts stacked, gate|up interleaved by columns)
+    "o_bias": "self_attn.o_proj.bias", "sinks": "self_attn.sinks", "router": "mlp.router.weight",
+    "router_bias": "mlp.router.bias", "expert_gate_up": "mlp.experts.gate_up_proj",
+    "expert_gate_up_bias": "mlp.experts.gate_up_proj_bias", "expert_down": "mlp.experts.down_proj",
+    "expert_down_bias": "mlp.experts.down_proj_bias",
+}  # fmt: skip
+HF_GPT_OSS_NAMES = HF_NAMES.replace(**_GPT_OSS_TENSORS, expert_gate="", expert_up="", experts_in_out=True)
+GPT_OSS = Family(
+    "gpt_oss",
+    {"attn_sinks": True, "moe_biases": True, "moe_activation": "clamped_swiglu"},
+    hf=HF_GPT_OSS_NAMES,
+    hf_architectures=("GptOssForCausalLM",),
+    hf_keys=frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
+    hf_activations=("silu",),
+    activation_option="",
+    default_rope_theta=150000.0,
+    sliding_pattern=2,  # transformers' default layer_types: alternating, sliding first
+    gpt_oss=True,
+)
 # xai-org/grok-1's Haiku module names (grok.py reads its config); weights already [in, out].
 GROK_NAMES = TensorNames(
     layer_prefix="transformer/decoder_layer_{i}/",
@@ -237,6 +260,7 @@ _ALL = (
     GRANITE,
     OLMO2,
     SMOLLM3,
+    GPT_OSS,
     GROK,
 )
 for _family in _ALL:

@@ -48,6 +48,8 @@ class TensorNames:
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    expert_gate_up: str = ""  # gate|up interleaved by columns, [E, in, 2F] (gpt-oss); replaces expert_gate/up
+    experts_in_out: bool = False  # expert weights stored [E, in, out] though the linear ones are [out, in]
     shared_gate_proj: str = ""  # the shared expert's MLP and its sigmoid gate (Qwen2-MoE)
     shared_up_proj: str = ""
     shared_down_proj: str = ""
@@ -57,6 +59,11 @@ class TensorNames:
     q_bias: str = ""  # with qkv_bias; k_bias / v_bias by the same pattern
     k_bias: str = ""
     v_bias: str = ""
+    o_bias: str = ""  # with o_bias
+    sinks: str = ""  # with attn_sinks: one logit per query head
+    router_bias: str = ""  # with moe_biases: the router's [E], the experts' gate|up [E, 2F] (interleaved
+    expert_gate_up_bias: str = ""  # as expert_gate_up) and down [E, D]
+    expert_down_bias: str = ""
     q_norm: str = ""  # with qk_norm
     k_norm: str = ""
     qkv_proj: str = ""  # q|k|v fused by rows (Phi-3); replaces q_proj/k_proj/v_proj
@@ -100,6 +107,7 @@ class Family:
     nope_layers: bool = False  # layers without RoPE from no_rope_layers / no_rope_layer_interval (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual multipliers and logits_scaling
     qwen_moe: bool = False  # Qwen-MoE keys: num_experts, moe_intermediate_size, norm_topk_prob, sparse layers
+    gpt_oss: bool = False  # gpt-oss keys: attention_bias (q/k/v/o biases), swiglu_alpha / swiglu_limit
     gguf_moe_routing: str = ""  # the moe_routing llama.cpp fixes for the GGUF architecture (no norm_topk_prob there)
 
     def __post_init__(self):
@@ -128,7 +136,12 @@ class Family:
             "sandwich_norms": ("post_attn_norm", "post_mlp_norm"),
             "qkv_bias": ("q_bias", "k_bias", "v_bias"),
             "qk_norm": ("q_norm", "k_norm"),
+            "o_bias": ("o_bias",),
+            "attn_sinks": ("sinks",),
+            "moe_biases": ("router_bias", "expert_gate_up_bias", "expert_down_bias", "expert_gate_up"),
         }
+        if self.gpt_oss and not (names.q_bias and names.k_bias and names.v_bias and names.o_bias):
+            raise _not_implemented(self.name, "attention_bias without q/k/v/o bias names")
         if self.qwen_moe and not (names.router and names.expert_gate and names.expert_up and names.expert_down):
             raise _not_implemented(self.name, "Qwen-MoE keys without expert tensor names")
         for option, tensors in needs.items():

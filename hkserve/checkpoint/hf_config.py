@@ -35,6 +35,7 @@ FAMILY_KEYS = {
     "use_bidirectional_attention", "embedding_multiplier", "attention_multiplier", "residual_multiplier",
     "logits_scaling", "no_rope_layers", "no_rope_layer_interval", "num_experts", "moe_intermediate_size",
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
+    "swiglu_alpha", "swiglu_limit",
 }  # fmt: skip
 ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -163,6 +164,17 @@ def _qwen_moe_options(family: Family, cfg: dict, n_layers: int) -> dict:
     }
 
 
+def _gpt_oss_options(cfg: dict) -> dict:
+    """gpt-oss: attention_bias puts biases on q, k, v and o; its experts' clamped SwiGLU constants."""
+    bias = bool(cfg.get("attention_bias", False))
+    return {
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+    }
+
+
 def family_of(cfg: dict) -> Family:
     """The family record of an HF config, by its architecture name."""
     family = hf_family((cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0])
@@ -184,7 +196,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
     unknown = set(cfg) - NEUTRAL - COMMON - family.hf_keys
     if unknown:
         raise _refuse(family.name, f"config field(s) {sorted(unknown)}")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+    if (cfg.get("attention_bias") and not family.gpt_oss) or cfg.get("mlp_bias"):
         raise _refuse(family.name, "attention_bias/mlp_bias (biases on the output or MLP projections)")
     act = _checked_activation(family, cfg)
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -198,6 +210,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
         **(_soft_cap_options(family, cfg) if family.soft_caps else {}),
         **(_multiplier_options(cfg) if family.multipliers else {}),
         **(_nope_options(family, cfg, n_layers) if family.nope_layers else {}),
+        **(_gpt_oss_options(cfg) if family.gpt_oss else {}),
     }
     if family.activation_option:
         options[family.activation_option] = HF_ACTIVATIONS[act]

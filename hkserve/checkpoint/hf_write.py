@@ -27,11 +27,16 @@ _LLAMA_DEFAULTS = {
     "sliding_layers": (),
     "rope_local_theta": 0.0,
     "shared_expert_dim": 0,
+    "o_bias": False,
+    "attn_sinks": False,
+    "moe_biases": False,
 }
 
 
 def hf_writable(config: ModelConfig) -> bool:
     """Whether the config is Llama/Mixtral-style, the layouts hf_checkpoint_tensors can write."""
+    if config.moe_activation == "clamped_swiglu":  # gpt-oss's experts, which Mixtral's tensors do not express
+        return False
     return config == config.replace(**_LLAMA_DEFAULTS)
 
 

@@ -4,13 +4,14 @@ Importers speak one neutral layout, independent of the file format: a stream of
 (key, layer index or None, array), with the keys
   top level (layer None): "embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only);
   per layer: "q_proj": [D, H*Dh], "k_proj", "v_proj", "o_proj": [H*Dh, D],
-    optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh],
+    optional "q_bias": [H*Dh], "k_bias", "v_bias": [Hkv*Dh], "o_bias": [D], "sinks": [H],
     "q_norm", "k_norm": [Dh] (with qk_norm_full: [H*Dh], [Hkv*Dh]),
     "attn_norm", "mlp_norm": [D] (unless pre_norms=False), "post_attn_norm", "post_mlp_norm": [D],
     "gate_proj": [D, F], "up_proj", "down_proj": [F, D]
     or (MoE) "router": [D, E], "expert_gate": [E, D, F], "expert_up", "expert_down": [E, F, D],
     with a shared expert also "shared_gate_proj": [D, Fs], "shared_up_proj", "shared_down_proj": [Fs, D],
-    "shared_expert_gate": [D, 1].
+    "shared_expert_gate": [D, 1]; with moe_biases "router_bias": [E], "expert_gate_bias",
+    "expert_up_bias": [E, F], "expert_down_bias": [E, D].
 Linear weights are [in, out]; importers transpose from the [out, in] convention of HF and GGUF.
 """
 
@@ -37,6 +38,8 @@ _LAYER_PATHS = {
     "q_bias": ("decoder/layers/attention/q_proj", "b"),
     "k_bias": ("decoder/layers/attention/k_proj", "b"),
     "v_bias": ("decoder/layers/attention/v_proj", "b"),
+    "o_bias": ("decoder/layers/attention/o_proj", "b"),
+    "sinks": ("decoder/layers/attention", "sinks"),
     "q_norm": ("decoder/layers/attention/q_norm", "scale"),
     "k_norm": ("decoder/layers/attention/k_norm", "scale"),
     "mlp_norm": ("decoder/layers/mlp_norm", "scale"),
@@ -49,6 +52,10 @@ _LAYER_PATHS = {
     "expert_gate": ("decoder/layers/moe", "gate_proj"),
     "expert_up": ("decoder/layers/moe", "up_proj"),
     "expert_down": ("decoder/layers/moe", "down_proj"),
+    "router_bias": ("decoder/layers/moe/router", "b"),
+    "expert_gate_bias": ("decoder/layers/moe", "gate_bias"),
+    "expert_up_bias": ("decoder/layers/moe", "up_bias"),
+    "expert_down_bias": ("decoder/layers/moe", "down_bias"),
     "shared_gate_proj": ("decoder/layers/moe/shared_expert/gate_proj", "w"),
     "shared_up_proj": ("decoder/layers/moe/shared_expert/up_proj", "w"),
     "shared_down_proj": ("decoder/layers/moe/shared_expert/down_proj", "w"),

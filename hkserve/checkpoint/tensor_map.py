@@ -1,8 +1,9 @@
 """A checkpoint's tensors → the neutral layout of params.py, by a family's `TensorNames`: one mapping
 for every file format (HF safetensors, GGUF, grok-1's arrays), which only supply `get(name)`.
 
-The layout quirks are the names' flags: fused q|k|v and gate|up rows split, llama.cpp's q/k row
-permutation undone, a norm offset stored in the weights taken off, [out, in] weights transposed.
+The layout quirks are the names' flags: fused q|k|v and gate|up rows split, gpt-oss's interleaved
+expert gate|up columns split, llama.cpp's q/k row permutation undone, a norm offset stored in the
+weights taken off, [out, in] weights transposed.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class _Layer:
             w = np.stack([self.raw(name.format(e=e)) for e in range(self.config.n_experts)])
         else:
             w = self.raw(name)
-        return w.swapaxes(1, 2) if self.names.out_in else w
+        return w.swapaxes(1, 2) if self.names.out_in and not self.names.experts_in_out else w
 
 
 def _norm(w: np.ndarray, names: TensorNames, config: ModelConfig) -> np.ndarray:
@@ -79,6 +80,10 @@ def _attention(layer: _Layer) -> dict:
     out = {"q_proj": q, "k_proj": k, "v_proj": v, "o_proj": layer.linear(names.o_proj)}
     if config.qkv_bias:
         out.update(q_bias=layer.raw(names.q_bias), k_bias=layer.raw(names.k_bias), v_bias=layer.raw(names.v_bias))
+    if config.o_bias:
+        out["o_bias"] = layer.raw(names.o_bias)
+    if config.attn_sinks:
+        out["sinks"] = layer.raw(names.sinks)
     if config.qk_norm:
         out.update(q_norm=layer.norm(names.q_norm), k_norm=layer.norm(names.k_norm))
     return out
@@ -97,12 +102,16 @@ def _norms(layer: _Layer) -> dict:
 def _ffn(layer: _Layer) -> dict:
     names = layer.names
     if layer.config.n_experts:
-        out = {
-            "router": layer.linear(names.router),
-            "expert_gate": layer.experts(names.expert_gate),
-            "expert_up": layer.experts(names.expert_up),
-            "expert_down": layer.experts(names.expert_down),
-        }
+        out = {"router": layer.linear(names.router), "expert_down": layer.experts(names.expert_down)}
+        if names.expert_gate_up:  # columns: gate, up, gate, up, ... (gpt-oss)
+            gate_up = layer.experts(names.expert_gate_up)  # [E, D, 2F]
+            out.update(expert_gate=gate_up[..., ::2], expert_up=gate_up[..., 1::2])
+        else:
+            out.update(expert_gate=layer.experts(names.expert_gate), expert_up=layer.experts(names.expert_up))
+        if layer.config.moe_biases:
+            gate_up_bias = layer.raw(names.expert_gate_up_bias)  # [E, 2F], interleaved as the weight
+            out.update(router_bias=layer.raw(names.router_bias), expert_down_bias=layer.raw(names.expert_down_bias))
+            out.update(expert_gate_bias=gate_up_bias[:, ::2], expert_up_bias=gate_up_bias[:, 1::2])
         if layer.config.shared_expert_dim:
             shared = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
             out.update({key: layer.linear(getattr(names, key)) for key in shared})

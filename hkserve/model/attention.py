@@ -1,5 +1,5 @@
-"""Grouped-query attention over a KV memory, with RoPE, optional q/k/v biases, per-head q/k RMSNorm,
-a soft cap on the scores and a sliding window.
+"""Grouped-query attention over a KV memory, with RoPE, optional q/k/v/o biases, per-head q/k RMSNorm,
+a soft cap on the scores, a sliding window and attention sinks (gpt-oss).
 
 The window and the RoPE base arrive per call as traced scalars, since the decoder scans its layers
 and layers may differ in both (Gemma 2/3 alternate sliding and full layers, Gemma 3's sliding layers
@@ -108,8 +108,7 @@ class Attention(hk.Module):
             out = ffi.decode_attention(
                 q[:, 0], k[:, 0], v[:, 0], k_memory, v_memory, layer, past_len, window, c.attn_logit_cap, threads, table
             )
-            out = Linear(c.dim, param_dtype(c, "o_proj"), "o_proj")(out.reshape(b, t, c.n_heads * c.head_dim))
-            return out, k, v
+            return _out_proj(c, out.reshape(b, t, c.n_heads * c.head_dim)), k, v
         neg = jnp.finfo(F32).min
 
         def cap(scores):  # soft cap on the attention logits (grok-1, Gemma 2)
@@ -127,7 +126,21 @@ class Attention(hk.Module):
             values = jnp.concatenate([v_past.astype(F32), v], axis=1)  # [B, W+T, Hkv, Dh]
         else:
             scores, values = new_scores, v
-        probs = jax.nn.softmax(scores, axis=-1)
+        probs = _softmax(c, scores)
         out = jnp.einsum("bhgts,bshd->bthgd", probs, values).reshape(b, t, c.n_heads * c.head_dim)
-        out = Linear(c.dim, param_dtype(c, "o_proj"), "o_proj")(out)
-        return out, k, v
+        return _out_proj(c, out), k, v
+
+
+def _out_proj(c: ModelConfig, out: jax.Array) -> jax.Array:
+    """[B, T, H*Dh] → [B, T, D], with gpt-oss's bias."""
+    return Linear(c.dim, param_dtype(c, "o_proj"), "o_proj", bias_dtype=norm_dtype(c) if c.o_bias else None)(out)
+
+
+def _softmax(c: ModelConfig, scores: jax.Array) -> jax.Array:
+    """Softmax over the keys of scores [B, Hkv, G, T, S]. With attn_sinks (gpt-oss), each query head's
+    learned logit joins the denominator as one more key with no value, so a head can attend to nothing."""
+    if not c.attn_sinks:
+        return jax.nn.softmax(scores, axis=-1)
+    sinks = hk.get_parameter("sinks", [c.n_heads], norm_dtype(c), init=jnp.zeros).astype(F32)  # [H] = [Hkv*G]
+    sink = jnp.broadcast_to(sinks.reshape(c.n_kv_heads, -1)[None, :, :, None, None], (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]

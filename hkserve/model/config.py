@@ -43,13 +43,19 @@ class ModelConfig:
     moe_routing: str = (
         "mixtral"  # mixtral: softmax over the top-k logits | grok: softmax over all, top-k, not renormalised
     )
-    moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact
+    moe_activation: str = "silu"  # silu | gelu (tanh approximation, grok) | gelu_exact | clamped_swiglu
+    # (gpt-oss: gate clamped above at swiglu_limit, up to ±swiglu_limit, (up + 1) * gate * sigmoid(alpha * gate))
+    swiglu_limit: float = 0.0  # with moe_activation="clamped_swiglu"
+    swiglu_alpha: float = 0.0
+    moe_biases: bool = False  # biases on the router and on each expert's gate, up and down products (gpt-oss)
     shared_expert_dim: int = 0  # with n_experts: a gated MLP of this width that every token uses, scaled by
     # sigmoid(x @ shared_gate), added to the routed experts (Qwen2-MoE); 0 = none
     moe_dense: bool = False  # evaluate every expert for every token (grok-1's released code); else only used experts
     # Options of other families (defaults = plain Llama); docs in README "Supported model families"
     mlp_activation: str = "silu"  # dense MLP's gate: silu (SwiGLU) | gelu (tanh approximation: Gemma's GeGLU)
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    o_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
     qk_norm: bool = False  # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
     qk_norm_full: bool = False  # with qk_norm: one RMSNorm over all of q's heads [H*Dh] and k's [Hkv*Dh] (OLMo 2)
     pre_norms: bool = True  # RMSNorm before attention and MLP; False = only the sandwich's after-norms (OLMo 2)
@@ -91,8 +97,16 @@ class ModelConfig:
             raise ValueError(f"int8_linears names int4 models' linear modules ({', '.join(LINEARS)})")
         if self.moe_routing not in ("mixtral", "grok"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
-        if self.moe_activation not in ("silu", "gelu", "gelu_exact"):
-            raise ValueError(f"unknown moe_activation {self.moe_activation!r} (silu | gelu | gelu_exact)")
+        if self.moe_activation not in ("silu", "gelu", "gelu_exact", "clamped_swiglu"):
+            raise ValueError(
+                f"unknown moe_activation {self.moe_activation!r} (silu | gelu | gelu_exact | clamped_swiglu)"
+            )
+        if (self.moe_activation == "clamped_swiglu") != (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ValueError(
+                "moe_activation='clamped_swiglu' needs swiglu_limit > 0 and swiglu_alpha > 0 (and only it)"
+            )
+        if self.moe_biases and not self.n_experts:
+            raise ValueError("moe_biases needs n_experts")
         if self.mlp_activation not in ("silu", "gelu"):
             raise ValueError(f"unknown mlp_activation {self.mlp_activation!r} (silu | gelu)")
         self._check_attention_options()
@@ -114,7 +128,7 @@ class ModelConfig:
             raise ValueError("sliding_layers without a sliding_window")
         if self.memory == "vq" and (self.sliding_window or self.qkv_bias or self.qk_norm or self.rope_freq_factors):
             raise ValueError("memory='vq' has none of the KV decoder's attention options")
-        if self.memory == "vq" and self.rope_attn_factor != 1.0:
+        if self.memory == "vq" and (self.rope_attn_factor != 1.0 or self.o_bias or self.attn_sinks):
             raise ValueError("memory='vq' has none of the KV decoder's attention options")
 
     def _check_vq(self) -> None:
@@ -158,10 +172,12 @@ class ModelConfig:
             return self._vq_n_params()
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attn += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+        attn += (self.dim if self.o_bias else 0) + (self.n_heads if self.attn_sinks else 0)
         qk_norm_width = (self.n_heads + self.n_kv_heads) * self.head_dim if self.qk_norm_full else 2 * self.head_dim
         attn += qk_norm_width if self.qk_norm else 0
         ffn = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.dim * self.n_experts
         ffn += (3 * self.dim * self.shared_expert_dim + self.dim) if self.shared_expert_dim else 0
+        ffn += self.n_experts * (1 + 2 * self.ffn_dim + self.dim) if self.moe_biases else 0
         norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms else 0)
         per_layer = attn + ffn + norms * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim

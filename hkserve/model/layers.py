@@ -237,7 +237,8 @@ class MoE(hk.Module):
     all experts, top-k, gates not renormalised. Unless `moe_dense`, experts no token selected are
     skipped (lax.cond in a scan over experts), so a decode step reads only the used experts' weights —
     with few tokens in flight that is k of E experts; grok-1's released code runs all of them. With
-    `shared_expert_dim`, a gated MLP every token uses is added (Qwen2-MoE's shared expert).
+    `shared_expert_dim`, a gated MLP every token uses is added (Qwen2-MoE's shared expert). With
+    `moe_biases` (gpt-oss) the router and every expert product add a bias.
     """
 
     def __init__(self, config: ModelConfig, name: str = "moe"):
@@ -248,7 +249,8 @@ class MoE(hk.Module):
         c = self.c
         dtype = param_dtype(c)
         e, d, f = c.n_experts, c.dim, c.ffn_dim
-        router_logits = Linear(e, dtype, "router")(x)  # [B, T, E]
+        bias = norm_dtype(c) if c.moe_biases else None
+        router_logits = Linear(e, dtype, "router", bias_dtype=bias)(x)  # [B, T, E]
         if c.moe_routing == "grok":
             top_gates, top_idx = jax.lax.top_k(jax.nn.softmax(router_logits, axis=-1), c.n_experts_per_token)
         else:
@@ -258,14 +260,18 @@ class MoE(hk.Module):
         w_gate, s_gate = quantized_weight("gate_proj", [e, d, f], dtype, [e, f], d)
         w_up, s_up = quantized_weight("up_proj", [e, d, f], dtype, [e, f], d)
         w_down, s_down = quantized_weight("down_proj", [e, f, d], dtype, [e, d], f)
-        act = _ACTIVATIONS[c.moe_activation]
+        biases = _expert_biases(c) if c.moe_biases else (0.0, 0.0, 0.0)  # [E, F], [E, F], [E, D]
 
         def expert(i):
             def pick(w, s):
                 return w[i], None if s is None else s[i]
 
-            h = act(qdot(x, *pick(w_gate, s_gate))) * qdot(x, *pick(w_up, s_up))
-            return qdot(h, *pick(w_down, s_down))  # [B, T, D]
+            def at(b):
+                return b if isinstance(b, float) else b[i]
+
+            gate = qdot(x, *pick(w_gate, s_gate)) + at(biases[0])
+            h = _glu(c, gate, qdot(x, *pick(w_up, s_up)) + at(biases[1]))
+            return qdot(h, *pick(w_down, s_down)) + at(biases[2])  # [B, T, D]
 
         if c.moe_dense:
             y = jax.vmap(expert, out_axes=2)(jnp.arange(e))  # [B, T, E, D]
@@ -277,6 +283,24 @@ class MoE(hk.Module):
             return acc + out, None
 
         return jax.lax.scan(add_expert, jnp.zeros(x.shape[:-1] + (d,), F32), jnp.arange(e))[0] + _shared_expert(c, x)
+
+
+def _glu(c: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """An expert's gated unit: act(gate) * up, or gpt-oss's clamped SwiGLU, whose clamps keep the
+    activations of its large checkpoints in range: gate <= limit, |up| <= limit, and a +1 on up."""
+    if c.moe_activation != "clamped_swiglu":
+        return _ACTIVATIONS[c.moe_activation](gate) * up
+    gate = jnp.minimum(gate, c.swiglu_limit)
+    up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
+    return (up + 1.0) * gate * jax.nn.sigmoid(c.swiglu_alpha * gate)
+
+
+def _expert_biases(c: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """gpt-oss's per-expert biases of the gate [E, F], up [E, F] and down [E, D] products (at moe/)."""
+    shapes = {"gate_bias": c.ffn_dim, "up_bias": c.ffn_dim, "down_bias": c.dim}
+    return tuple(
+        hk.get_parameter(n, [c.n_experts, w], norm_dtype(c), init=jnp.zeros).astype(F32) for n, w in shapes.items()
+    )
 
 
 def _shared_expert(c: ModelConfig, x: jax.Array) -> jax.Array | float:

@@ -45,11 +45,15 @@ PARAM_RULES: list[tuple[str, P, str | None]] = [
     (r"decoder/layers/attention/q_proj/b$", P(None, "model"), "n_heads"),  # [L, H*Dh]
     (r"decoder/layers/attention/(k_proj|v_proj)/b$", P(None, "model"), "n_kv_heads"),  # [L, Hkv*Dh]
     (r"decoder/layers/attention/(q_norm|k_norm)/scale$", P(None, None), None),  # [L, Dh] or [L, H*Dh]
+    (r"decoder/layers/attention/(o_proj/b|sinks)$", P(None, None), None),  # [L, D], [L, H] (gpt-oss)
     (r"decoder/layers/mlp/(gate_proj|up_proj)/w$", P(None, None, "model"), None),  # [L, D, F]
     (r"decoder/layers/mlp/down_proj/w$", P(None, "model", None), None),  # [L, F, D]
     (r"decoder/layers/moe/router/w$", P(None, None, None), None),  # [L, D, E]
     (r"decoder/layers/moe/(gate_proj|up_proj)$", P(None, None, None, "model"), None),  # [L, E, D, F]
     (r"decoder/layers/moe/down_proj$", P(None, None, "model", None), None),  # [L, E, F, D]
+    (r"decoder/layers/moe/router/b$", P(None, None), None),  # [L, E] (gpt-oss's biases)
+    (r"decoder/layers/moe/(gate_bias|up_bias)$", P(None, None, "model"), None),  # [L, E, F], as gate_proj's F
+    (r"decoder/layers/moe/down_bias$", P(None, None, None), None),  # [L, E, D]
     (r"decoder/layers/moe/shared_expert/(gate_proj|up_proj)/w$", P(None, None, "model"), None),  # [L, D, Fs]
     (r"decoder/layers/moe/shared_expert/down_proj/w$", P(None, "model", None), None),  # [L, Fs, D]
     (r"decoder/layers/moe/shared_gate/w$", P(None, None, None), None),  # [L, D, 1]

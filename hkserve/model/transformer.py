@@ -61,13 +61,15 @@ def _decoder(
     # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
     # given its blocks back while its step still counts them).
     seen = jnp.where(lengths > 0, past_len, 0) if paged else past_len  # [b]
-    # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc).
+    # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc);
+    # that kernel has no attention sinks, so gpt-oss attends through XLA (attention.py) there too.
     in_place = (
         dispatch.active() is not None
         and slots is None
         and t == 1
         and memory.k.dtype == jnp.float32
         and c.head_dim % 16 == 0
+        and not c.attn_sinks
     )
 
     def _block(x, layer, window, rope_spec):
