@@ -10,6 +10,7 @@ updated in place.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
 from hkserve.engine.paged_slots import PagedSlots
+from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES, Reuse
 from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks, set_table
@@ -295,10 +297,17 @@ class Engine(PagedSlots, Warmup):
         pending = self._prefill(slot, prompt_ids, settings, chunks, None, bitmask)
         return pending, PendingScores(chunks)
 
-    def _prefill(
-        self, slot, prompt_ids, settings, scores: list | None, reuse=None, bitmask=None, generated: int = 0
-    ) -> PendingTokens:
-        """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
+    def start_prefill(
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings: SamplingParams | None = None,
+        reuse: Reuse | None = None,
+        bitmask: np.ndarray | None = None,
+        generated: int = 0,
+    ) -> PrefillJob:
+        """`prefill` spread over loop passes (prefill_job.py): the checks, the slot's blocks for the whole
+        prompt and the reused prefix's copy now; its chunks by `continue_prefill`."""
         self.check_fits(len(prompt_ids))
         row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
         start = check_reuse(
@@ -308,27 +317,50 @@ class Engine(PagedSlots, Warmup):
             raise ValueError("a resuming request may reuse only its prompt's KV")
         plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
         source_row = self._assign(slot, len(prompt_ids), reuse if start else None)  # paged: its blocks
-        try:
-            if start:
+        if start:
+            with self._guarded():
                 self._copy_prefix(reuse.source, slot, prompt_ids[:start], source_row)
-            for start, end, bucket, attend_len in plan:
-                piece = list(prompt_ids[start:end])
+        self.positions[slot] = start
+        return PrefillJob(slot, list(prompt_ids), row, bitmask, generated, plan)
+
+    def continue_prefill(self, job: PrefillJob, chunks: int, scores: list | None = None) -> PrefillJob:
+        """Dispatch the job's next `chunks` chunks; the last one's sampled token becomes `job.result`.
+        When `scores` is a list, score too and append (scores, length) per chunk."""
+        ids, generated, out = job.prompt_ids, job.generated, None
+        with self._guarded():
+            for start, end, bucket, attend_len in job.chunks[job.done : job.done + chunks]:
+                piece = ids[start:end]
                 if scores is None:
-                    made = len(prompt_ids) - generated - start if generated else None
-                    out = self._prefill_chunk(slot, piece, attend_len, bucket, row, None, bitmask, made)
+                    made = len(ids) - generated - start if generated else None
+                    out = self._prefill_chunk(job.slot, piece, attend_len, bucket, job.row, None, job.bitmask, made)
                 else:
-                    following = list(prompt_ids[start + 1 : start + 1 + len(piece)])
-                    out, scored = self._prefill_chunk(slot, piece, attend_len, bucket, row, following, bitmask)
+                    following = ids[start + 1 : start + 1 + len(piece)]
+                    out, scored = self._prefill_chunk(
+                        job.slot, piece, attend_len, bucket, job.row, following, job.bitmask
+                    )
                     scores.append((scored, len(piece)))
+                self.positions[job.slot] = end
+        done = min(job.done + chunks, len(job.chunks))
+        return job._replace(done=done, result=PendingTokens(out) if done == len(job.chunks) else None)
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """A failure after some device work leaves the slot holding part of the prompt, which is harmless
+        (it stays free, and a prefill into a slot always starts it afresh) unless the failing call had
+        already consumed the donated state of every slot: then DecodeStateLost."""
+        try:
+            yield
         except Exception as e:
-            # Failed after some device work: the slot may hold part of the prompt, which is harmless (it
-            # stays free, and a prefill into a slot always starts it afresh) unless the failing call had
-            # already consumed the donated state of every slot.
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
                 raise DecodeStateLost(f"prefill failed after donating the decode state: {e!r}") from e
             raise
-        self.positions[slot] = len(prompt_ids)
-        return PendingTokens(out)
+
+    def _prefill(
+        self, slot, prompt_ids, settings, scores: list | None, reuse=None, bitmask=None, generated: int = 0
+    ) -> PendingTokens:
+        """Prefill every chunk now; when `scores` is a list, score too and append (scores, length) per chunk."""
+        job = self.start_prefill(slot, prompt_ids, settings, reuse, bitmask, generated)
+        return self.continue_prefill(job, len(job.chunks), scores).result
 
     def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
         """(bucket, rows) of the batched prefill program that takes a prompt of this length, or None."""

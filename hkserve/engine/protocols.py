@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hkserve.engine.block_pool import BlockPool
+from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import Request, RequestStream
 from hkserve.engine.spec_policy import SpecCounts
@@ -64,6 +65,22 @@ class ServingEngine(Protocol):
         generated: int = 0,
     ) -> Pending:
         """`generated`: the last so many of prompt_ids are the request's own tokens (a preempted one resuming)."""
+        ...
+
+    def start_prefill(
+        self,
+        slot: int,
+        prompt_ids: Sequence[int],
+        settings=None,
+        reuse: Reuse | None = None,
+        bitmask=None,
+        generated: int = 0,
+    ) -> PrefillJob:
+        """`prefill` spread over loop passes (prefill_job.py): its admission's part now; its chunks next."""
+        ...
+
+    def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
+        """The job's next `chunks` chunks dispatched; `result` set with its last."""
         ...
 
     def score_prefill(
