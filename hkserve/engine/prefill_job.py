@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from hkserve.engine.prefix_copy import Chunk
-
 
 class PrefillJob(NamedTuple):
     slot: int
@@ -24,7 +22,7 @@ class PrefillJob(NamedTuple):
     row: Any  # the engine's form of the request's sampling settings
     bitmask: Any  # [1, W] int32: the first token's grammar mask (None: all allowed)
     generated: int  # the last so many of prompt_ids were generated (a preempted request resuming)
-    chunks: list[Chunk]  # every chunk of the prefill, in order
+    chunks: list  # [prefix_copy.Chunk]: every chunk of the prefill, in order (not imported: protocols.py needs this)
     done: int = 0  # chunks dispatched so far
     result: Any = None  # the first token's pending output, once the last chunk is dispatched
 

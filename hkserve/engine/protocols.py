@@ -67,16 +67,9 @@ class ServingEngine(Protocol):
         """`generated`: the last so many of prompt_ids are the request's own tokens (a preempted one resuming)."""
         ...
 
-    def start_prefill(
-        self,
-        slot: int,
-        prompt_ids: Sequence[int],
-        settings=None,
-        reuse: Reuse | None = None,
-        bitmask=None,
-        generated: int = 0,
-    ) -> PrefillJob:
-        """`prefill` spread over loop passes (prefill_job.py): its admission's part now; its chunks next."""
+    def start_prefill(self, slot, prompt_ids, settings=None, reuse=None, bitmask=None, generated=0) -> PrefillJob:
+        """`prefill` (the same arguments) spread over loop passes (prefill_job.py): its admission's part
+        now, its chunks by `continue_prefill`."""
         ...
 
     def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
