@@ -84,6 +84,7 @@ def test_plan_prefill_never_exceeds_the_budget_and_serves_the_oldest_first():
 def test_plan_prefill_gives_the_oldest_one_chunk_when_none_fits():
     queue = [Prefilling(3, 9, [32, 32]), Prefilling(1, 2, [64, 8])]
     assert Scheduler.plan_prefill(queue, 16) == [(1, 1)]
+    assert Scheduler.plan_prefill(queue, 16, force=False) == []  # the pass already ran something
     assert Scheduler.plan_prefill(queue, 80) == [(1, 2)]
     assert Scheduler.plan_prefill(queue, 104) == [(1, 2), (3, 1)]
     assert Scheduler.plan_prefill([], 100) == []

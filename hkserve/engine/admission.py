@@ -45,14 +45,15 @@ class InFlight(NamedTuple):
 class Admission:
     """Admission and prefill (see the module docstring); InferenceRunner provides the state."""
 
-    def _admit(self, budget: int) -> tuple[list[InFlight], int]:
-        """Take queued requests into free slots while the pass's prompt-token budget lasts (Scheduler.admits,
-        counting the prefilling requests' chunks still to run) → the prefills dispatched whole (short
-        prompts in groups, scoring prompts, a one-shot engine's) and the budget they leave. The others
-        start prefilling (prefill_job.py): `_advance_prefills` dispatches their chunks."""
-        admitted, left = [], budget
+    def _admit(self, budget: int) -> list[InFlight]:
+        """This pass's prefills within its prompt-token `budget`: the prefilling requests' next chunks
+        first (they are older), then queued requests taken into free slots while the budget lasts
+        (Scheduler.admits, counting the chunks still to run), each started (prefill_job.py) and given
+        the chunks the budget leaves at once, so a prompt done in its first pass is in the prefix
+        cache for the next one admitted → the flights of the prompts done this pass."""
+        admitted, left = self._advance_prefills(budget, budget)
         free = [i for i, s in enumerate(self._slots) if s is None]
-        spent = sum(sum(job.left()) for job in self._prefills.values())
+        spent = budget - left + sum(sum(job.left()) for job in self._prefills.values())
         # Short prompts are prefilled several per call (row_groups.py), except in the prefix cache's
         # exact mode, whose reuse needs every prompt's KV computed by the fixed-chunk prefill.
         groups = RowGroups(self.engine, enabled=self.prefix.mode != "exact")
@@ -87,12 +88,14 @@ class Admission:
                 admitted += self._prefill_one(slot, stream, free, reuse)
                 if slot not in self._prefills or not self._prefills[slot].chunks:  # dispatched whole
                     left -= tokens
+                flights, left = self._advance_prefills(left, budget)
+                admitted += flights
             for group in groups.drain():
                 admitted += self._prefill_rows(group)
         except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
             self._prefill_failed([stream for group in groups.drain() for _, stream in group], None)
             raise
-        return admitted, left
+        return admitted
 
     def _roomy(self, free: list[int], now: int) -> list[int]:
         """The free slots whose shard of a paged pool can give a request the `now` positions it needs
@@ -158,11 +161,13 @@ class Admission:
             free.insert(0, slot)
         return [InFlight([(slot, stream)], pending, False, scores)]
 
-    def _advance_prefills(self, budget: int) -> list[InFlight]:
-        """Dispatch this pass's prefill chunks (Scheduler.plan_prefill: oldest first, within `budget`)
-        → the flights of the prompts now done, whose first token joins this pass's step."""
+    def _advance_prefills(self, left: int, budget: int) -> tuple[list[InFlight], int]:
+        """Dispatch prefill chunks within the `left` of this pass's `budget` (Scheduler.plan_prefill: oldest
+        first; one over it only when the pass has spent nothing yet) → the flights of the prompts now
+        done, whose first token joins this pass's step, and what is left of the budget."""
         queue = [Prefilling(i, self._slots[i].stream.order, job.left()) for i, job in self._prefills.items()]
-        for slot, chunks in Scheduler.plan_prefill(queue, budget):
+        for slot, chunks in Scheduler.plan_prefill(queue, left, force=left == budget):
+            left -= sum(self._prefills[slot].left()[:chunks])
             try:
                 self._prefills[slot] = self.engine.continue_prefill(self._prefills[slot], chunks)
             except Exception as e:  # this request only, unless the decode state went with it
@@ -174,7 +179,7 @@ class Admission:
             stream = self._slots[slot].stream
             self.prefix.admitted(slot, job.prompt_ids)
             flights.append(InFlight([(slot, stream)], job.result, False))
-        return flights
+        return flights, left
 
     def _drop_prefill(self, slot: int, stream: RequestStream, e: Exception) -> None:
         """A prefill failed: its request ends with the error, its slot is free and holds nothing."""

@@ -83,16 +83,17 @@ class Scheduler:
         return [s for s in free if self.pool.fits_evicting_idle(s, tokens)]
 
     @staticmethod
-    def plan_prefill(prefilling: list[Prefilling], budget: int) -> list[tuple[int, int]]:
+    def plan_prefill(prefilling: list[Prefilling], budget: int, force: bool = True) -> list[tuple[int, int]]:
         """(slot, chunks) to prefill this pass, oldest first, within `budget` padded tokens (see the
-        module docstring). A request gets chunks only once every older one has all of its own."""
+        module docstring). A request gets chunks only once every older one has all of its own. With
+        `force` (nothing else ran this pass), the oldest gets its next chunk even when it does not fit."""
         plan, left = [], budget
         for job in sorted(prefilling, key=lambda p: p.order):
             taken = 0
             while taken < len(job.chunks) and job.chunks[taken] <= left:
                 left -= job.chunks[taken]
                 taken += 1
-            if not plan and not taken and job.chunks:  # nothing fits: the oldest's next chunk alone
+            if force and not plan and not taken and job.chunks:  # nothing fits: the oldest's next chunk alone
                 taken = 1
             if taken:
                 plan.append((job.slot, taken))
