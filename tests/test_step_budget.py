@@ -6,12 +6,15 @@ The test is the loop: it calls `iterate()`, so every event happens in the order 
 from __future__ import annotations
 
 import random
+import re
 
 from fake_engine import FakeEngine, events, token_ids
 
+from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.scheduler import Prefilling, Scheduler
+from hkserve.train.vocab import byte_tokenizer
 
 
 def test_a_running_stream_gets_a_token_every_pass_while_a_long_prompt_prefills():
@@ -134,3 +137,31 @@ def test_cancelling_a_request_mid_prefill_frees_its_slot_and_blocks():
     while not after.done:
         runner.iterate()
     assert token_ids(events(after)) == [6, 7] and chunks == 2
+
+
+def test_a_constrained_prompt_prefilled_in_chunks_beside_a_running_request_replies_as_alone():
+    """Its grammar's first mask reaches the chunk that samples; the running request's steps meanwhile
+    (constrained steps: a grammar is bound) leave its matcher at the start."""
+    tokenizer = byte_tokenizer()
+    grammar = GrammarCompiler(tokenizer, 300).compile(GrammarSpec("regex", "(ab|cd|ef){6}!"))
+    prompt = [97 + i % 20 for i in range(22)]  # 6 chunks of 4
+
+    def constrained() -> Request:
+        return Request(prompt, 16, stop_ids=(tokenizer.eos_id,), grammar=grammar)
+
+    lone = InferenceRunner(FakeEngine(slots=2, vocab_size=300))
+    alone_stream = lone.submit(constrained())
+    while not alone_stream.done:
+        lone.iterate()
+    alone = token_ids(events(alone_stream))
+    engine = FakeEngine(slots=2, vocab_size=300, chunk=4)
+    runner = InferenceRunner(engine, max_step_tokens=5)
+    running = runner.submit(Request([1, 2], 20))
+    runner.iterate()
+    stream = runner.submit(constrained())
+    while not (running.done and stream.done):
+        runner.iterate()
+    assert len([c for c in engine.calls if c[0] == "prefill_chunk"]) == 1 + 6
+    assert token_ids(events(stream)) == alone
+    assert re.fullmatch("(ab|cd|ef){6}!", tokenizer.decode([t for t in alone if t != tokenizer.eos_id]))
+    assert token_ids(events(running)) == list(range(3, 23))
