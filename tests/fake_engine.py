@@ -19,6 +19,8 @@ import numpy as np
 
 from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.outputs import ScoredToken, Token
+from hkserve.engine.prefill_job import OneShotPrefill, PrefillJob
+from hkserve.engine.prefix_copy import Chunk
 from hkserve.engine.requests import Event, RequestStream
 from hkserve.engine.state import ContextLengthError
 
@@ -63,6 +65,7 @@ class FakeEngine:
     prefix_cache: str = "off"
     prefill_chunk: int | None = None
     supports_grammars: bool = True
+    chunk: int = 0  # > 0: start_prefill / continue_prefill go this many prompt tokens per chunk; 0: one-shot
     kv_blocks: int = 0  # > 0: a paged layout of this many blocks (one data shard), held as the real Engine's
     block_size: int = 4
     stepping: threading.Event = field(default_factory=threading.Event)
@@ -113,6 +116,29 @@ class FakeEngine:
         self.last[slot] = self._allowed((prompt_ids[-1] + 1) % self.vocab_size, bitmask, 0)
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])
+
+    def start_prefill(
+        self, slot: int, prompt_ids: Sequence[int], settings=None, reuse=None, bitmask=None, generated: int = 0
+    ) -> PrefillJob:
+        """One-shot (`chunk` 0: `prefill` now) or chunks of `chunk` tokens (the blocks taken now, as Engine's)."""
+        if not self.chunk:
+            return OneShotPrefill.start_prefill(self, slot, prompt_ids, settings, reuse, bitmask, generated)
+        self.check_fits(len(prompt_ids))
+        self._assign(slot, len(prompt_ids))
+        n = len(prompt_ids)
+        chunks = [Chunk(s, min(n, s + self.chunk), self.chunk, s) for s in range(0, n, self.chunk)]
+        return PrefillJob(slot, list(prompt_ids), settings, bitmask, generated, chunks)
+
+    def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
+        for c in job.chunks[job.done : job.done + chunks]:
+            self.calls.append(("prefill_chunk", job.slot, c.start, c.end))
+            self.positions[job.slot] = c.end
+        done = min(job.done + chunks, len(job.chunks))
+        if done < len(job.chunks) or job.result is not None:
+            return job._replace(done=done)
+        first = self._allowed((job.prompt_ids[-1] + 1) % self.vocab_size, job.bitmask, 0)
+        self.last[job.slot] = first
+        return job._replace(done=done, result=FakePending([token(first)]))
 
     def score_prefill(
         self, slot: int, prompt_ids: Sequence[int], settings: dict | None = None, bitmask=None

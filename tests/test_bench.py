@@ -145,6 +145,12 @@ def test_bench_serve_flags_reach_the_server_it_starts():
     assert serve.prefix_cache == "off"  # chat: like the in-process runner, no repeat served from the cache
     serve = build_parser().parse_args(["serve", *KVOptions("static", None, 16).flags()])
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("static", None, 16)
+    assert serve.max_step_tokens is None  # the runner's default
+    bench = build_parser().parse_args(["bench", "serve", "--max-step-tokens", "96", "--long-prompt-every", "3"])
+    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size, bench.max_step_tokens)
+    assert build_parser().parse_args(["serve", *server_flags(kv, bench.lengths)]).max_step_tokens == 96
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-step-tokens", "0"])
     assert server_slots("static", 16, [16, 64]) == 64  # as before: no client queues
     assert server_slots("paged", 16, [16, 64]) == 16  # the 64 clients on 16 rows of one pool
     for wrong in (["--long-prompt-every", "0"], ["--long-prompt-every", "x"], ["--lengths", "long"]):

@@ -15,7 +15,7 @@ from hkserve.engine.runner import InferenceRunner, RunnerStats
 
 
 def make(slots: int = 1, **kwargs) -> tuple[FakeEngine, InferenceRunner]:
-    engine_args = {k: kwargs.pop(k) for k in ("max_len", "strict_fits", "prefill_rows") if k in kwargs}
+    engine_args = {k: kwargs.pop(k) for k in ("max_len", "strict_fits", "prefill_rows", "chunk") if k in kwargs}
     engine = FakeEngine(slots=slots, **engine_args)
     return engine, InferenceRunner(engine, **kwargs)
 
@@ -32,8 +32,8 @@ def prefills(engine: FakeEngine) -> list[tuple[int, list[int]]]:
     return [(c[1], c[2]) for c in engine.calls if c[0] == "prefill"]
 
 
-def test_prefill_budget_admits_in_order_and_at_least_one_prompt_per_iteration():
-    engine, runner = make(slots=4, prefill_budget=10)
+def test_the_step_token_budget_admits_in_order_and_at_least_one_prompt_per_iteration():
+    engine, runner = make(slots=4, max_step_tokens=10)
     streams = [runner.submit(Request([i] * 4, 2)) for i in range(4)]
     runner.iterate()  # 4 + 4 + 4 tokens: the third prompt crosses the budget, the fourth waits
     assert prefills(engine) == [(0, [0] * 4), (1, [1] * 4), (2, [2] * 4)]
@@ -43,7 +43,7 @@ def test_prefill_budget_admits_in_order_and_at_least_one_prompt_per_iteration():
     drain(runner)
     assert [token_ids(events(s)) for s in streams] == [[i + 1, i + 2] for i in range(4)]
 
-    engine, runner = make(slots=2, prefill_budget=10)
+    engine, runner = make(slots=2, max_step_tokens=10)
     runner.submit(Request([7] * 30, 1))  # longer than the budget: admitted alone
     runner.submit(Request([8] * 2, 1))
     runner.iterate()

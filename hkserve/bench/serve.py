@@ -84,6 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="the server's and runner's KV layout")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="paged: the server's and runner's KV pool (MiB)")
     p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged: tokens per KV block")
+    p.add_argument(
+        "--max-step-tokens", type=int, default=None, help="the server's and runner's --max-step-tokens (see serve)"
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -333,7 +336,7 @@ def run(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     slots, max_queue = server_slots(args.kv_layout, args.slots, levels), 4 * max(levels) + 8
     jobs, long = _workload(args, levels)
-    kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size)
+    kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size, args.max_step_tokens)
     extra = server_flags(kv, args.lengths)
     with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=extra) as (url, _):
         http_phase(url, args.model, 1, 2, [*jobs[:1], long()] if long else jobs)  # warm the HTTP path

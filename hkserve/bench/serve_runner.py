@@ -30,16 +30,18 @@ SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
 
 
 class KVOptions(NamedTuple):
-    """The KV memory of the server and of the in-process runners, the same for both."""
+    """The KV memory and the step's token budget of the server and of the in-process runners, the same for both."""
 
     layout: str  # "static" | "paged" (engine/kv_layout.py)
     cache_mb: float | None  # paged: the pool's MiB; None: its default
     block_size: int  # paged: tokens per block
+    max_step_tokens: int | None = None  # a loop pass's tokens (runner.py); None: the runner's default
 
     def flags(self) -> tuple[str, ...]:
         """As `hkserve serve`'s flags."""
         mb = ("--kv-cache-mb", str(self.cache_mb)) if self.cache_mb is not None else ()
-        return ("--kv-layout", self.layout, *mb, "--kv-block-size", str(self.block_size))
+        step = ("--max-step-tokens", str(self.max_step_tokens)) if self.max_step_tokens is not None else ()
+        return ("--kv-layout", self.layout, *mb, "--kv-block-size", str(self.block_size), *step)
 
 
 def start_runner(
@@ -64,7 +66,7 @@ def start_runner(
             block_size=kv.block_size,
         ),
     )
-    return InferenceRunner(engine, max_queue=max_queue).start(warmup=False)
+    return InferenceRunner(engine, max_queue=max_queue, max_step_tokens=kv.max_step_tokens).start(warmup=False)
 
 
 def prompt_ids(model: str, prompts: list[str]) -> list[list[int]]:

@@ -101,6 +101,7 @@ class ServeOptions:
     port: int = 8000
     slots: int = 16
     max_queue: int = 64
+    max_step_tokens: int | None = None  # a loop pass's tokens (decode rows + prompt chunks); None: the runner's default
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     web_page: bool = True  # the chat page at / (--no-web: off)
@@ -118,12 +119,32 @@ class ServeOptions:
             port=args.port,
             slots=args.slots,
             max_queue=args.max_queue,
+            max_step_tokens=args.max_step_tokens,
             api_key=args.api_key or os.environ.get("HKSERVE_API_KEY") or None,
             cors_origins=tuple(args.cors_origin or ()),
             web_page=not args.no_web,
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
         )
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def add_step_tokens_argument(parser) -> None:
+    parser.add_argument(
+        "--max-step-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens one loop pass carries: the running rows' decode tokens plus at most N - rows (padded) "
+        "tokens of prompt prefill, so a long prompt is prefilled over several passes while the running "
+        "streams keep decoding (default: slots + 512, the largest prefill bucket)",
+    )
 
 
 def add_web_argument(parser) -> None:
@@ -188,7 +209,7 @@ def run_server(args: argparse.Namespace) -> int:
     serving = types.SimpleNamespace(app=None, runner=None)  # what a lost host must fail, once it exists
     if hosts:
         engine = _lead(engine, hosts, serving)
-    runner = InferenceRunner(engine, max_queue=options.max_queue)
+    runner = InferenceRunner(engine, max_queue=options.max_queue, max_step_tokens=options.max_step_tokens)
     limits = options.limits
     max_len, model = engine.max_len, options.load.model
     app = create_app(

@@ -1,9 +1,16 @@
 """The runner's admission half: take queued requests into free slots and dispatch their prefills.
 
 A mixin of InferenceRunner (runner.py), run by its loop thread only. It uses the runner's slot
-table (`_slots`), queue (`_waiting` under `_lock`), `engine`, `prefix` cache, `grammars`,
-`prefill_budget`, `_prompt_only` and `_finish`; it returns the dispatched prefills as flights that
-the loop reads one pass later, like its steps.
+table (`_slots`), the prefills in progress (`_prefills`: slot → PrefillJob), queue (`_waiting` under
+`_lock`), `engine`, `prefix` cache, `grammars`, `_prompt_only` and `_finish`; it returns the
+dispatched prefills as flights that the loop reads one pass later, like its steps.
+
+Token-budget steps (`--max-step-tokens`): a prompt's prefill is spread over loop passes, a few chunks
+per pass (Scheduler.plan_prefill), while the running rows get a decode step every pass. A request
+whose prompt is still prefilling holds its slot (and, paged, all its prompt's blocks, reserved at
+admission) but is not among the step's rows until its last chunk has sampled its first token. The
+chunk and the decode step are two device programs dispatched back to back in the same pass, not one
+fused program. Scoring prompts (prompt logprobs) and short prompts prefilled in groups stay whole.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from hkserve.engine.outputs import PendingScores, PendingTokens
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import RequestStream
 from hkserve.engine.row_groups import RowGroups, RowOf
-from hkserve.engine.scheduler import Scheduler
+from hkserve.engine.scheduler import Prefilling, Scheduler
 from hkserve.engine.state import DecodeStateLost
 
 log = logging.getLogger("hkserve.runner")
@@ -39,15 +46,20 @@ class InFlight(NamedTuple):
 class Admission:
     """Admission and prefill (see the module docstring); InferenceRunner provides the state."""
 
-    def _admit(self) -> list[InFlight]:
-        admitted = []
+    def _admit(self, budget: int) -> list[InFlight]:
+        """This pass's prefills within its prompt-token `budget`: the prefilling requests' next chunks
+        first (they are older), then queued requests taken into free slots while the budget lasts
+        (Scheduler.admits, counting the chunks still to run), each started (prefill_job.py) and given
+        the chunks the budget leaves at once, so a prompt done in its first pass is in the prefix
+        cache for the next one admitted → the flights of the prompts done this pass."""
+        admitted, left = self._advance_prefills(budget, budget)
         free = [i for i, s in enumerate(self._slots) if s is None]
-        spent, taken = 0, 0
+        spent = budget - left + sum(sum(job.left()) for job in self._prefills.values())
         # Short prompts are prefilled several per call (row_groups.py), except in the prefix cache's
         # exact mode, whose reuse needs every prompt's KV computed by the fixed-chunk prefill.
         groups = RowGroups(self.engine, enabled=self.prefix.mode != "exact")
         try:
-            while free and (not taken or spent < self.prefill_budget):
+            while free and Scheduler.admits(spent, budget):
                 with self._lock:
                     if not self._waiting:
                         break
@@ -68,13 +80,19 @@ class Admission:
                     reuse = cached_reuse(self.engine.kv_pool, self.prefix, slot, request.prompt_ids, reuse)
                 reuse = self._make_room(slot, reuse, now, free)
                 free.remove(slot)
-                spent, taken = spent + len(ids) - (reuse.length if reuse else 0), taken + 1
+                tokens = len(ids) - (reuse.length if reuse else 0)
+                spent += tokens
                 stream.admitted_at = stream.admitted_at or time.monotonic()
                 if reuse is None and not stream.generated and groups.takes(request):
                     full = groups.add(slot, stream)
                     admitted += self._prefill_rows(full) if full else []
+                    left -= tokens
                     continue
                 admitted += self._prefill_one(slot, stream, free, reuse)
+                if slot not in self._prefills or not self._prefills[slot].chunks:  # dispatched whole
+                    left -= tokens
+                flights, left = self._advance_prefills(left, budget)
+                admitted += flights
             for group in groups.drain():
                 admitted += self._prefill_rows(group)
         except DecodeStateLost:  # the groups popped from the queue and not yet prefilled fail too
@@ -115,27 +133,28 @@ class Admission:
         self.prefix.forget(slot)
 
     def _prefill_one(self, slot: int, stream: RequestStream, free: list[int], reuse: Reuse | None) -> list[InFlight]:
-        """One prompt's own prefill: with its prefix's KV reused, a grammar's first mask, or its scores."""
+        """One prompt's own prefill, with its prefix's KV reused, a grammar's first mask, or its scores:
+        started (its chunks follow, pass by pass), or, scoring the prompt, dispatched whole."""
         request, resumed = stream.request, bool(stream.generated)
         ids = request.prompt_ids + stream.generated
         scores = None
         try:
             mask = self._first_mask(slot, stream, len(ids))
-            keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
-            if resumed:  # its tokens so far are recomputed, and counted as generated (penalties)
-                keywords["generated"] = len(stream.generated)
             if request.prompt_logprobs is None or resumed:
                 if not resumed:  # a resumed request reports the reuse of its first admission
                     stream.cached_tokens = reuse.length if reuse else 0 if self.prefix.mode != "off" else None
-                pending = self.engine.prefill(slot, ids, request.sampling, **keywords)
-            else:
-                pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
+                # its tokens so far are recomputed, and counted as generated (penalties)
+                job = self.engine.start_prefill(slot, ids, request.sampling, reuse, mask, len(stream.generated))
+                self._slots[slot] = SlotState(stream, len(stream.generated), len(ids))
+                self._prefills[slot] = job
+                self.prefix.forget(slot)  # nothing reusable until its prefill is done
+                return []
+            keywords = {k: v for k, v in (("bitmask", mask), ("reuse", reuse)) if v is not None}
+            pending, scores = self.engine.score_prefill(slot, request.prompt_ids, request.sampling, **keywords)
         except Exception as e:  # this request only: its slot stays free, the others go on
-            self.grammars.release(slot)
-            self._evict(slot)
-            self._prefill_failed([stream], e)
+            self._drop_prefill(slot, stream, e)
             return []
-        self.prefix.admitted(slot, ids, exact=request.prompt_logprobs is None or resumed)
+        self.prefix.admitted(slot, ids, exact=False)
         if request.max_tokens:
             self._slots[slot] = SlotState(stream, len(stream.generated), len(ids))
         else:  # only the prompt's scores are wanted: the slot is free again at once
@@ -144,6 +163,34 @@ class Admission:
             self.engine.release(slot, keep=self.prefix.mode != "off")
             free.insert(0, slot)
         return [InFlight([(slot, stream)], pending, False, scores)]
+
+    def _advance_prefills(self, left: int, budget: int) -> tuple[list[InFlight], int]:
+        """Dispatch prefill chunks within the `left` of this pass's `budget` (Scheduler.plan_prefill: oldest
+        first; one over it only when the pass has spent nothing yet) → the flights of the prompts now
+        done, whose first token joins this pass's step, and what is left of the budget."""
+        queue = [Prefilling(i, self._slots[i].stream.order, job.left()) for i, job in self._prefills.items()]
+        for slot, chunks in Scheduler.plan_prefill(queue, left, force=left == budget):
+            left -= sum(self._prefills[slot].left()[:chunks])
+            try:
+                self._prefills[slot] = self.engine.continue_prefill(self._prefills[slot], chunks)
+            except Exception as e:  # this request only, unless the decode state went with it
+                self._drop_prefill(slot, self._slots[slot].stream, e)
+        done = [(slot, job) for slot, job in self._prefills.items() if job.result is not None]
+        flights = []
+        for slot, job in done:
+            del self._prefills[slot]
+            stream = self._slots[slot].stream
+            self.prefix.admitted(slot, job.prompt_ids)
+            flights.append(InFlight([(slot, stream)], job.result, False))
+        return flights, left
+
+    def _drop_prefill(self, slot: int, stream: RequestStream, e: Exception) -> None:
+        """A prefill failed: its request ends with the error, its slot is free and holds nothing."""
+        self._slots[slot] = None
+        self._prefills.pop(slot, None)
+        self.grammars.release(slot)
+        self._evict(slot)
+        self._prefill_failed([stream], e)
 
     def _first_mask(self, slot: int, stream: RequestStream, length: int):
         """A constrained request's mask [1, W] for the token its prefill samples: its grammar's first, or,

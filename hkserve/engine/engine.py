@@ -20,15 +20,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.options import EngineOptions
-from hkserve.engine.outputs import PendingLogits, PendingScores, PendingTokens, pack, score_targets
+from hkserve.engine.outputs import PendingLogits, PendingTokens, pack, score_targets
 from hkserve.engine.paged_slots import PagedSlots
 from hkserve.engine.prefill_rows import RowPrefill
-from hkserve.engine.prefix_cache import MODES, Reuse
-from hkserve.engine.prefix_copy import EXACT_CHUNK, check_reuse, copy_prefix, plan_chunks, set_table
+from hkserve.engine.prefix_cache import MODES
+from hkserve.engine.prefix_copy import EXACT_CHUNK, copy_prefix, set_table
+from hkserve.engine.prompt_prefill import PromptPrefill
 from hkserve.engine.state import (
     ContextLengthError,
     DecodeState,
-    DecodeStateLost,
     check_context,
     check_options,
     state_shardings,
@@ -42,11 +42,12 @@ from hkserve.model.sampling import SamplingParams, TokenHistory, empty_history, 
 from hkserve.model.sharding import check_slots, param_shardings, parse_mesh
 
 
-class Engine(PagedSlots, Warmup):
+class Engine(PromptPrefill, PagedSlots, Warmup):
     """Owns params and the batched decode state on a ("data", "model") mesh.
 
     Not thread-safe: one thread (the runner's loop) calls it. A ServingEngine (protocols.py). Its paged
-    layout: paged_slots.py; the programs it compiles before serving: warmup.py.
+    layout: paged_slots.py; a prompt's prefill, whole or pass by pass: prompt_prefill.py; the programs
+    it compiles before serving: warmup.py.
     """
 
     supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
@@ -231,106 +232,6 @@ class Engine(PagedSlots, Warmup):
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         check_context(self.max_len, prompt_len, max_tokens)
 
-    def _prefill_chunk(
-        self,
-        slot: int,
-        piece: list[int],
-        attend_len: int,
-        bucket: int,
-        row,
-        following: list[int] | None = None,
-        row_mask: np.ndarray | None = None,
-        generated_from: int | None = None,
-    ):
-        """One chunk padded to `bucket` → its sampled-token output; with `following` (the prompt tokens
-        after each of the chunk's), the scoring program → (output, scores) instead. `generated_from`:
-        the index in the chunk where the request's generated tokens start (None: none are)."""
-        self.sync_table()
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, : len(piece)] = piece
-        slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
-        made = np.asarray([bucket if generated_from is None else max(generated_from, 0)], np.int32)
-        mask = self._all_allowed if row_mask is None else row_mask
-        args = (self.params, self.state, tokens, length, slot_arr, made, row, mask)
-        if following is None:
-            self.state, out = self._compiled_fn("prefill", attend_len)(*args)
-            return out
-        targets = np.zeros((1, bucket), np.int32)
-        targets[0, : len(following)] = following
-        self.state, out, scored = self._compiled_fn("score", attend_len)(*args, targets)
-        return out, scored
-
-    def prefill(
-        self,
-        slot: int,
-        prompt_ids: Sequence[int],
-        settings: SamplingParams | None = None,
-        reuse: Reuse | None = None,
-        bitmask: np.ndarray | None = None,
-        generated: int = 0,
-    ) -> PendingTokens:
-        """Fill slot `slot` with the prompt (in chunks of the largest bucket) and sample its first token
-        (one row). The first chunk is padded to the smallest bucket that holds it; later chunks of a long
-        prompt to the largest, so they need one program per window, not one per bucket and window.
-        With `reuse`, the prompt's first reuse.length tokens' KV is copied from slot reuse.source (the
-        runner's PrefixCache knows it holds them) and only the rest is prefilled.
-        A prompt or settings the slot cannot take raise before any device work; a failure after it
-        leaves the other slots as they were, or raises DecodeStateLost when it cannot. `bitmask` [1, W]
-        int32: the tokens the first sample may take (a grammar's; None allows all). `generated`: the last
-        so many of prompt_ids are tokens the request generated before it was preempted (counted for the
-        penalties as generated, so it resumes drawing as it would have); a reuse may not reach them."""
-        return self._prefill(slot, prompt_ids, settings, None, reuse, bitmask, generated)
-
-    def score_prefill(
-        self,
-        slot: int,
-        prompt_ids: Sequence[int],
-        settings: SamplingParams | None = None,
-        bitmask: np.ndarray | None = None,
-    ) -> tuple[PendingTokens, PendingScores]:
-        """`prefill` that also scores the prompt: each token's logprob, rank and the n_top most likely
-        alternatives given the tokens before it. Its own compiled programs (per bucket and window), so
-        a plain prefill computes nothing for it."""
-        chunks: list[tuple[jax.Array, int]] = []
-        pending = self._prefill(slot, prompt_ids, settings, chunks, None, bitmask)
-        return pending, PendingScores(chunks)
-
-    def _prefill(
-        self, slot, prompt_ids, settings, scores: list | None, reuse=None, bitmask=None, generated: int = 0
-    ) -> PendingTokens:
-        """Prefill chunk by chunk; when `scores` is a list, score too and append (scores, length) per chunk."""
-        self.check_fits(len(prompt_ids))
-        row = make_settings([settings or SamplingParams()], self.model.config.vocab_size)
-        start = check_reuse(
-            reuse, slot, len(prompt_ids), self.slots, self.positions, self.prefix_cache, self.prefill_chunk
-        )
-        if generated and start > len(prompt_ids) - generated:  # copied KV counts its tokens as prompt
-            raise ValueError("a resuming request may reuse only its prompt's KV")
-        plan = plan_chunks(len(prompt_ids), start, self.prefill_buckets, self._window, self.prefill_chunk)
-        source_row = self._assign(slot, len(prompt_ids), reuse if start else None)  # paged: its blocks
-        try:
-            if start:
-                self._copy_prefix(reuse.source, slot, prompt_ids[:start], source_row)
-            for start, end, bucket, attend_len in plan:
-                piece = list(prompt_ids[start:end])
-                if scores is None:
-                    made = len(prompt_ids) - generated - start if generated else None
-                    out = self._prefill_chunk(slot, piece, attend_len, bucket, row, None, bitmask, made)
-                else:
-                    following = list(prompt_ids[start + 1 : start + 1 + len(piece)])
-                    out, scored = self._prefill_chunk(slot, piece, attend_len, bucket, row, following, bitmask)
-                    scores.append((scored, len(piece)))
-        except Exception as e:
-            # Failed after some device work: the slot may hold part of the prompt, which is harmless (it
-            # stays free, and a prefill into a slot always starts it afresh) unless the failing call had
-            # already consumed the donated state of every slot.
-            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
-                raise DecodeStateLost(f"prefill failed after donating the decode state: {e!r}") from e
-            raise
-        self.positions[slot] = len(prompt_ids)
-        self._cache_prompt(slot, prompt_ids, exact=scores is None)  # a scoring prefill runs other programs
-        return PendingTokens(out)
-
     def rows_program(self, prompt_len: int) -> tuple[int, int] | None:
         """(bucket, rows) of the batched prefill program that takes a prompt of this length, or None."""
         return self.row_prefill.program_for(prompt_len)
@@ -338,12 +239,8 @@ class Engine(PagedSlots, Warmup):
     def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], settings) -> PendingTokens:
         """Prompts that fit one bucket, each into its slot, in one call of that bucket's rows program
         (see prefill_rows.py) → row i: prompt i's first token. Fails as `prefill` does."""
-        try:
+        with self._guarded():
             return PendingTokens(self.row_prefill.prefill(slots, prompts, settings))
-        except Exception as e:
-            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.state)):
-                raise DecodeStateLost(f"batched prefill failed after donating the decode state: {e!r}") from e
-            raise
 
     def _copy_prefix(self, source: int, dest: int, prefix: Sequence[int], source_row: np.ndarray | None = None) -> None:
         """Slot dest starts with slot source's KV of `prefix` (one program per window of rows). Paged:

@@ -52,6 +52,7 @@ class Preemption:
         """The request in `slot` gives its blocks back and waits at the front of the queue, its tokens kept."""
         stream = self._slots[slot].stream
         self._slots[slot] = None
+        self._prefills.pop(slot, None)  # mid-prefill: it starts over when readmitted
         self.grammars.release(slot)
         self._evict(slot)
         self.preemptions += 1

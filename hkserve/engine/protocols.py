@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hkserve.engine.block_pool import BlockPool
+from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.requests import Request, RequestStream
 from hkserve.engine.spec_policy import SpecCounts
@@ -65,6 +66,15 @@ class ServingEngine(Protocol):
         generated: int = 0,
     ) -> Pending:
         """`generated`: the last so many of prompt_ids are the request's own tokens (a preempted one resuming)."""
+        ...
+
+    def start_prefill(self, slot, prompt_ids, settings=None, reuse=None, bitmask=None, generated=0) -> PrefillJob:
+        """`prefill` (the same arguments) spread over loop passes (prefill_job.py): its admission's part
+        now, its chunks by `continue_prefill`."""
+        ...
+
+    def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
+        """The job's next `chunks` chunks dispatched; `result` set with its last."""
         ...
 
     def score_prefill(

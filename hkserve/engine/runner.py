@@ -19,9 +19,11 @@ Concurrency — who owns what:
     and the consumer reads by blocking iteration or `async for`.
 
 Admission (queued requests into free slots, their prefills dispatched) is the loop's other half, in
-admission.py. Under the paged KV layout each pass first makes its step's blocks fit (preemption.py,
-applying the pure policy of scheduler.py): the newest running requests may go back to the queue's
-front, to resume later from their prompt and generated tokens.
+admission.py; a long prompt's prefill goes a few chunks per pass, within the pass's token budget
+(`max_step_tokens`), while the running requests keep getting a token every pass. Under the paged KV
+layout each pass first makes its step's blocks fit (preemption.py, applying the pure policy of
+scheduler.py): the newest running requests may go back to the queue's front, to resume later from
+their prompt and generated tokens.
 
 The loop runs one step behind the device: it dispatches step n, then reads step n-1's tokens (their
 host copy started when they were dispatched), so the device never waits for Python. A request that
@@ -48,8 +50,10 @@ import numpy as np
 
 from hkserve.engine.admission import Admission, InFlight, SlotState
 from hkserve.engine.constrained import SlotGrammars
+from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS
 from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.preemption import Preemption
+from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
@@ -62,13 +66,16 @@ log = logging.getLogger("hkserve.runner")
 class InferenceRunner(Admission, Preemption):
     """The API's ServingRunner (protocols.py) over any ServingEngine."""
 
-    def __init__(self, engine: ServingEngine, max_queue: int = 64, prefill_budget: int = 256):
+    def __init__(self, engine: ServingEngine, max_queue: int = 64, max_step_tokens: int | None = None):
+        """`max_step_tokens`: the tokens one pass carries, its decode rows' and its prompt chunks' (padded)
+        together (admission.py); None: slots + the largest default prefill bucket, so a pass always
+        has room for the decode rows and one whole chunk."""
         self.engine = engine
         self.max_queue = max_queue
         self.vocab_size = engine.vocab_size
-        # Prompt tokens admitted per loop iteration (at least one request): a burst fills the free
-        # slots in a few iterations while running requests wait at most ~one budget of prefill per token.
-        self.prefill_budget = prefill_budget
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
+        self.max_step_tokens = max_step_tokens or engine.slots + DEFAULT_PREFILL_BUCKETS[-1]
         # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
         self._open: set[RequestStream] = set()  # submitted and not yet ended
@@ -79,6 +86,7 @@ class InferenceRunner(Admission, Preemption):
         self._wake = threading.Condition(self._lock)  # signalled on submit / cancel / stop / abort
         # The loop's own (see the module docstring):
         self._slots: list[SlotState | None] = [None] * engine.slots
+        self._prefills: dict[int, PrefillJob] = {}  # slots whose prompt is still prefilling, pass by pass
         self._in_flight: list[InFlight] = []  # the last pass's dispatched device work, read next pass
         self._prompt_only: list[RequestStream] = []  # prefilled for their prompt's scores, in no slot
         self.preemptions = 0  # requests preempted so far (paged layout: preemption.py)
@@ -203,11 +211,13 @@ class InferenceRunner(Admission, Preemption):
             return False
         self._sweep_cancelled()
         self._fit_step()  # paged: the running rows' next blocks, preempting the newest when they run out
-        admitted = self._admit()
+        decoding = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]
+        admitted = self._admit(self.max_step_tokens - len(decoding))
         dispatched = list(admitted)
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
-        full = [i for i, s in enumerate(self._slots) if s is not None and s.length >= self.engine.max_len]
-        active = np.asarray([s is not None and i not in full for i, s in enumerate(self._slots)])
+        stepping = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]
+        full = [i for i in stepping if self._slots[i].length >= self.engine.max_len]
+        active = np.asarray([i in stepping and i not in full for i in range(self.engine.slots)])
         forward = None
         if active.any():
             owners = [(int(i), self._slots[i].stream) for i in np.flatnonzero(active)]
@@ -265,7 +275,9 @@ class InferenceRunner(Admission, Preemption):
     def _finish(self, slot: int | None, stream: RequestStream, reason: str, error: str | None = None) -> None:
         self._close(stream, reason, error)
         if slot is not None:
-            if self._slots[slot] is not None:
+            if self._prefills.pop(slot, None) is not None:  # mid-prefill: its memory holds part of a prompt
+                self._evict(slot)
+            elif self._slots[slot] is not None:
                 self.prefix.finished(slot, self._slots[slot].length)
                 self.engine.release(slot, keep=self.prefix.mode != "off")
             self._slots[slot] = None

@@ -12,6 +12,12 @@ NEWEST running requests (by arrival order) of that shard. The oldest running req
 never preempted for a newer one: a request alone always fits its shard (submit refuses one whose
 prompt + max_tokens exceed --max-len, and the pool holds at least --max-len per shard), so the
 oldest always advances and no request waits forever.
+
+Token-budget steps (`--max-step-tokens`, step 4): a pass carries the running rows' decode tokens and
+at most `max_step_tokens - rows` tokens of prompt prefill, counted as the chunks' padded buckets (what
+the device computes). `plan_prefill` hands that budget to the prefilling requests oldest first, whole
+chunks at a time; a pass whose budget takes no chunk still runs the oldest request's next one, so a
+prompt always progresses (the default budget, slots + the largest bucket, never needs that).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ class Row(NamedTuple):
 class StepPlan(NamedTuple):
     evict: list[int]  # idle slots whose cached blocks are dropped, least recently used first
     preempt: list[int]  # running slots freed and requeued, newest first
+
+
+class Prefilling(NamedTuple):
+    slot: int
+    order: int  # arrival order: the oldest prefilling request gets the budget first
+    chunks: list[int]  # padded tokens of each chunk still to prefill, in order
 
 
 class Scheduler:
@@ -69,3 +81,28 @@ class Scheduler:
         """The free slots whose shard can take a request needing `tokens` positions now, beside every
         running row's promise (`BlockPool.reserve`), once idle slots' cached blocks are evicted."""
         return [s for s in free if self.pool.fits_evicting_idle(s, tokens)]
+
+    @staticmethod
+    def plan_prefill(prefilling: list[Prefilling], budget: int, force: bool = True) -> list[tuple[int, int]]:
+        """(slot, chunks) to prefill this pass, oldest first, within `budget` padded tokens (see the
+        module docstring). A request gets chunks only once every older one has all of its own. With
+        `force` (nothing else ran this pass), the oldest gets its next chunk even when it does not fit."""
+        plan, left = [], budget
+        for job in sorted(prefilling, key=lambda p: p.order):
+            taken = 0
+            while taken < len(job.chunks) and job.chunks[taken] <= left:
+                left -= job.chunks[taken]
+                taken += 1
+            if force and not plan and not taken and job.chunks:  # nothing fits: the oldest's next chunk alone
+                taken = 1
+            if taken:
+                plan.append((job.slot, taken))
+            if taken < len(job.chunks):
+                break
+        return plan
+
+    @staticmethod
+    def admits(pending: int, budget: int) -> bool:
+        """Whether a pass whose prefills already hold `pending` prompt tokens takes another request: while
+        the budget is not spent, and always when nothing is pending (a prompt is always admitted)."""
+        return pending == 0 or pending < budget

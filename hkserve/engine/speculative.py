@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from hkserve.engine.engine import Engine
 from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.outputs import PendingTokens, Token
+from hkserve.engine.prefill_job import OneShotPrefill
 from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
 from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
 from hkserve.model.ngram import first_draft
@@ -85,7 +86,7 @@ class _PrefillRead:
         return tokens
 
 
-class SpeculativeEngine(ForwardsQueries):
+class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
     """An Engine that drafts with n-gram lookup and verifies the drafts in one step."""
 
     def __init__(self, engine: Engine, config: SpecConfig | None = None):

@@ -23,6 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from hkserve.engine.forwarding import ForwardsQueries
+from hkserve.engine.prefill_job import OneShotPrefill
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.engine.state import ContextLengthError
 from hkserve.model.sampling import SamplingParams
@@ -119,7 +120,7 @@ def _call(op: str, **args) -> dict:
     return {"op": op, **args}
 
 
-class LeaderEngine(ForwardsQueries):
+class LeaderEngine(OneShotPrefill, ForwardsQueries):
     """Host 0's engine: the Engine's interface, each device call first sent to the followers.
 
     Calls are broadcast before they are issued locally, since a multi-host program cannot finish
