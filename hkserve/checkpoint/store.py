@@ -1,7 +1,9 @@
 """The model store: converted models under HKSERVE_HOME (default ~/.cache/hkserve).
 
-$HKSERVE_HOME/models/<name>/config.json      ModelConfig
-                           /params/          orbax checkpoint
+$HKSERVE_HOME/models/<name>/config.json      ModelConfig (its dtype: that of params/)
+                           /params/          orbax checkpoint: the float master, or for a quantized
+                                             GGUF only the int8/int4 variant it serves (no master)
+                           /params-<dtype>/  other weight variants, made on request
                            /tokenizer/       tokenizer.json | tokenizer.model + tokenizer_config.json
                            /source.json      where it came from
 $HKSERVE_HOME/tmp/                           work dirs; a model appears by one rename when complete
@@ -10,6 +12,7 @@ $HKSERVE_HOME/tmp/                           work dirs; a model appears by one r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,12 +22,14 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from hkserve.checkpoint.expand import QUANTIZED, expand_params
 from hkserve.checkpoint.orbax_io import restore_params, save_params
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.model.config import WEIGHTS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+log = logging.getLogger("hkserve.store")
 
 
 def store_root() -> Path:
@@ -111,16 +116,21 @@ class ModelStore:
         return config.replace(dtype=WEIGHTS[weights])
 
     def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
-        """Params restored onto `shardings`; a weight variant is made from the stored master (and
-        kept next to it as params-<dtype>) the first time it is asked for."""
-        info = self.info(name)
-        config = self.config(name, weights)
-        path = info.path / "params"
-        if config.dtype != info.config.dtype:
-            path = info.path / f"params-{config.dtype}"
-            if not path.exists():
-                self._make_variant(info, config.dtype, path)
-        return self._restore(info, path, config, shardings)
+        """Params restored onto `shardings`; a weight variant is made from the stored params (and kept
+        next to them as params-<dtype>) the first time it is asked for: from the float master, or
+        from the quantized weights a model without one stores, expanded (checkpoint/expand.py)."""
+        info, config = self.info(name), self.config(name, weights)
+        return self._restore(info, self.variant_path(name, weights), config, shardings)
+
+    def variant_path(self, name: str, weights: str | None = None) -> Path:
+        """The directory of the params of variant `weights` (None: those stored), made if missing."""
+        info, config = self.info(name), self.config(name, weights)
+        if config.dtype == info.config.dtype:
+            return info.path / "params"
+        path = info.path / f"params-{config.dtype}"
+        if not path.exists():
+            self._make_variant(info, config.dtype, path)
+        return path
 
     @staticmethod
     def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings) -> dict:
@@ -134,24 +144,30 @@ class ModelStore:
             raise DamagedModel(info.name, f"cannot read {path}: {type(e).__name__}: {e}") from e
 
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
-        master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", info.config, None))
-        _, variant = convert_params(master, info.config, dtype)
+        config = info.config
+        master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", config, None))
+        if config.dtype in QUANTIZED:
+            log.warning(
+                "%s stores %s weights only: its %s variant is expanded from them, equal to the source file's "
+                "dequantization only where %s kept its blocks exactly; `hkserve convert %s --name %s --weights f32 "
+                "--overwrite` stores the file's exact float32",
+                info.name,
+                config.dtype,
+                dtype,
+                config.dtype,
+                info.source.get("path", "FILE"),
+                info.name,
+            )
+            config, master = expand_params(master, config)
+        _, variant = convert_params(master, config, dtype)
         self._write_variant(info, dtype, path, variant)
 
     def variant_sizes(self, name: str) -> dict[str, int]:
-        """Bytes on disk of each stored weight variant, the master's dtype first: {"float32": ..., "int4": ...}."""
+        """Bytes on disk of each stored weight variant, params/'s dtype first: {"float32": ..., "int4": ...}."""
         info = self.info(name)
         dirs = [(info.config.dtype, info.path / "params")]
         dirs += [(p.name.removeprefix("params-"), p) for p in sorted(info.path.glob("params-*")) if p.is_dir()]
         return {dtype: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for dtype, d in dirs}
-
-    def save_variant(self, name: str, dtype: str, params: dict) -> None:
-        """Store `params` as the model's `dtype` variant (params-<dtype>), replacing one made before: e.g.
-        int4 made from a GGUF's own 4-bit blocks (gguf_int4.py) rather than from the float master."""
-        info = self.info(name)
-        path = info.path / f"params-{dtype}"
-        shutil.rmtree(path, ignore_errors=True)
-        self._write_variant(info, dtype, path, params)
 
     @staticmethod
     def _write_variant(info: ModelInfo, dtype: str, path: Path, variant: dict) -> None:
