@@ -4,6 +4,8 @@ $HKSERVE_HOME/models/<name>/config.json      ModelConfig (its dtype: that of par
                            /params/          orbax checkpoint: the float master, or for a quantized
                                              GGUF only the int8/int4 variant it serves (no master)
                            /params-<dtype>/  other weight variants, made on request
+                           /params*.packed.json  int8/int4 params stored in the CPU kernels' packed
+                                             layout (model/packing.py): its layout version
                            /tokenizer/       tokenizer.json | tokenizer.model + tokenizer_config.json
                            /source.json      where it came from
 $HKSERVE_HOME/tmp/                           work dirs; a model appears by one rename when complete
@@ -11,6 +13,7 @@ $HKSERVE_HOME/tmp/                           work dirs; a model appears by one r
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,9 +27,12 @@ import numpy as np
 
 from hkserve.checkpoint.expand import QUANTIZED, expand_params
 from hkserve.checkpoint.orbax_io import restore_params, save_params
+from hkserve.checkpoint.packed_store import kernel_packing, pack_for_store, stored_layout
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.model.build import param_shapes
 from hkserve.model.config import WEIGHTS, ModelConfig
+from hkserve.model.packing import STORED_LAYOUT, unpack_layers
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 log = logging.getLogger("hkserve.store")
@@ -115,12 +121,14 @@ class ModelStore:
             )
         return config.replace(dtype=WEIGHTS[weights])
 
-    def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
+    def params(self, name: str, shardings=None, weights: str | None = None, packing=None) -> dict:
         """Params restored onto `shardings`; a weight variant is made from the stored params (and kept
         next to them as params-<dtype>) the first time it is asked for: from the float master, or
-        from the quantized weights a model without one stores, expanded (checkpoint/expand.py)."""
+        from the quantized weights a model without one stores, expanded (checkpoint/expand.py).
+        int8/int4 params stored packed come back packed where `packing` (the serving model's
+        model/packing.py stored_packing: it reads them so) is given, else unpacked."""
         info, config = self.info(name), self.config(name, weights)
-        return self._restore(info, self.variant_path(name, weights), config, shardings)
+        return self._restore(info, self.variant_path(name, weights), config, shardings, packing)
 
     def variant_path(self, name: str, weights: str | None = None) -> Path:
         """The directory of the params of variant `weights` (None: those stored), made if missing."""
@@ -133,15 +141,26 @@ class ModelStore:
         return path
 
     @staticmethod
-    def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings) -> dict:
+    def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings, packing=None) -> dict:
         """Restore, turning any failure to read the stored files (missing, truncated, corrupt: orbax and
         TensorStore raise many kinds) into one line naming the model."""
         if not path.is_dir():
             raise DamagedModel(info.name, f"{path} is missing")
+        layout = stored_layout(path)
+        if layout not in (None, STORED_LAYOUT):
+            raise DamagedModel(
+                info.name,
+                f"{path} is packed in layout {layout}, this hkserve reads {STORED_LAYOUT}: convert the model "
+                f"again (`hkserve convert {info.source.get('path', 'FILE')} --name {info.name} --overwrite`)",
+            )
+        shapes = None if layout is None else jax.eval_shape(packing or kernel_packing(config), param_shapes(config))
         try:
-            return restore_params(path, config, shardings)
+            params = restore_params(path, config, shardings, shapes)
         except Exception as e:
             raise DamagedModel(info.name, f"cannot read {path}: {type(e).__name__}: {e}") from e
+        if layout is None or packing is not None:  # plain, or packed for a model that reads them packed
+            return params
+        return jax.jit(functools.partial(unpack_layers, plain=param_shapes(config)))(params)
 
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
         config = info.config
@@ -159,8 +178,8 @@ class ModelStore:
                 info.name,
             )
             config, master = expand_params(master, config)
-        _, variant = convert_params(master, config, dtype)
-        self._write_variant(info, dtype, path, variant)
+        variant_config, variant = convert_params(master, config, dtype)
+        self._write_variant(info, variant_config, path, variant)
 
     def variant_sizes(self, name: str) -> dict[str, int]:
         """Bytes on disk of each stored weight variant, params/'s dtype first: {"float32": ..., "int4": ...}."""
@@ -170,10 +189,10 @@ class ModelStore:
         return {dtype: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for dtype, d in dirs}
 
     @staticmethod
-    def _write_variant(info: ModelInfo, dtype: str, path: Path, variant: dict) -> None:
-        work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
+    def _write_variant(info: ModelInfo, config: ModelConfig, path: Path, variant: dict) -> None:
+        work = Path(tempfile.mkdtemp(prefix=f"params-{config.dtype}-", dir=info.path))
         try:
-            save_params(work / "params", variant)
+            save_params(work / "params", pack_for_store(variant, config, path))
             (work / "params").rename(path)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -199,7 +218,7 @@ class ModelStore:
             (work / "source.json").write_text(json.dumps(source, indent=2))
             if tokenizer is not None:
                 tokenizer.save(work / "tokenizer")
-            save_params(work / "params", params)
+            save_params(work / "params", pack_for_store(params, config, work / "params"))
             self.models_dir.mkdir(parents=True, exist_ok=True)
             if final.exists():
                 trash = Path(tempfile.mkdtemp(prefix="old-", dir=tmp_root))
