@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import REPO, tiny_config
 
 from hkserve.checkpoint.orbax_io import save_params
 from hkserve.checkpoint.packed_store import kernel_packing, marker
@@ -84,3 +87,30 @@ def test_the_stored_packed_layout_is_pinned():
         for leaf in jax.tree_util.tree_leaves(kernel_packing(config)(plain)):
             digest.update(np.asarray(leaf).tobytes())
     assert (STORED_LAYOUT, digest.hexdigest()[:16]) == (1, "78b214418784fcb3")
+
+
+MESH_SCRIPT = """
+import sys, jax, numpy as np
+sys.path.insert(0, "tests")
+from test_packed_store import _equal, _variant
+from hkserve.checkpoint.store import ModelStore
+from hkserve.model.build import param_shapes
+from hkserve.model.sharding import param_shardings, parse_mesh
+config, plain = _variant("int8", False)
+store = ModelStore(sys.argv[1])
+store.save("m", config, plain, None, {})
+mesh = parse_mesh("2x4", config)
+shardings = param_shardings(param_shapes(config), mesh, config)
+got = store.params("m", shardings)
+assert _equal(jax.device_get(got), plain)
+assert all(a.sharding == s for a, s in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(shardings)))
+print("ok")
+"""
+
+
+def test_a_packed_store_restores_plain_onto_a_mesh(tmp_path):
+    """The XLA path on 8 devices (2x4): the packed params, unpacked, land on the mesh's plain shardings."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", MESH_SCRIPT, str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -34,10 +34,11 @@ def stored_layout(path: Path) -> int | None:
 @functools.cache
 def kernel_packing(config: ModelConfig):
     """pack_layers of `config`'s kernel-mode model (the layout does not depend on the CPU's ISA or the
-    kernel kind), or None where the kernels would pack nothing (float, Transformer-VQ)."""
+    kernel kind; "scan": the stacked layers the kernels read, on any backend: a GPU's default loop would
+    refuse them), or None where the kernels would pack nothing (float, Transformer-VQ)."""
     if config.dtype not in QUANTIZED or config.memory != "kv":
         return None
-    return stored_packing(build_model(config, KernelSpec("w8a16", 1)).prepare)
+    return stored_packing(build_model(config, KernelSpec("w8a16", 1), "scan").prepare)
 
 
 def pack_for_store(params: dict, config: ModelConfig, path: Path) -> dict:

@@ -153,14 +153,16 @@ class ModelStore:
                 f"{path} is packed in layout {layout}, this hkserve reads {STORED_LAYOUT}: convert the model "
                 f"again (`hkserve convert {info.source.get('path', 'FILE')} --name {info.name} --overwrite`)",
             )
+        unpack = layout is not None and packing is None  # packed on disk, read plain (the XLA path)
         shapes = None if layout is None else jax.eval_shape(packing or kernel_packing(config), param_shapes(config))
-        try:
-            params = restore_params(path, config, shardings, shapes)
+        try:  # the mesh's shardings fit the plain shapes: packed ones to unpack are read onto one device
+            params = restore_params(path, config, None if unpack else shardings, shapes)
         except Exception as e:
             raise DamagedModel(info.name, f"cannot read {path}: {type(e).__name__}: {e}") from e
-        if layout is None or packing is not None:  # plain, or packed for a model that reads them packed
+        if not unpack:  # plain, or packed for a model that reads them packed
             return params
-        return jax.jit(functools.partial(unpack_layers, plain=param_shapes(config)))(params)
+        plain = jax.jit(functools.partial(unpack_layers, plain=param_shapes(config)))(params)
+        return plain if shardings is None else jax.device_put(plain, shardings)
 
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
         config = info.config
