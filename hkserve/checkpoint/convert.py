@@ -11,9 +11,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hkserve.checkpoint.gguf_config import config_from_gguf
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
 from hkserve.checkpoint.gguf_precision import native_weights
+from hkserve.checkpoint.gguf_reader import open_gguf
 from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
@@ -50,25 +52,24 @@ def convert(
     GGUF served as int8/int4 stores that variant alone, without a float32 master (issue 36: the store
     near the file's size; store.py expands it on request); float sources keep the master beside it."""
     source = Path(source)
-    native = None
     if source.is_dir():
         config, params = load_hf(source, dtype)
-        tokenizer = Tokenizer.from_hf_dir(source)
-        fmt = "hf"
+        tokenizer, fmt, native = Tokenizer.from_hf_dir(source), "hf", None
     else:
-        config, params, reader = load_gguf(source, dtype, progress=progress)
-        tokenizer = Tokenizer.from_gguf(reader)
-        fmt, native = "gguf", _servable(native_weights(reader), config)
+        reader = open_gguf(source)
+        config, tokenizer, fmt = config_from_gguf(reader, dtype), Tokenizer.from_gguf(reader), "gguf"
+        native = _servable(native_weights(reader), config)
     chosen = weights or native
     info = {"format": fmt, "path": str(source.absolute()), "dtype": dtype, **(origin or {})}
     if chosen in ("int8", "int4"):
         info["weights"] = chosen
-    if native is not None and chosen in ("int8", "int4"):
-        if chosen == "int4":  # from the file's own blocks (Q4_0/Q4_1/Q4_K kept exactly, gguf_int4.py)
-            params = None  # the float32 expansion is not needed: dropped before the int4 import
-            config, params = load_gguf_int4(source, progress=progress)
-        else:  # per channel from the file's float32 expansion
-            config, params = convert_params(params, config, WEIGHTS[chosen])
+    if native is not None and chosen == "int4":  # the file's own blocks (Q4_0/Q4_1/Q4_K kept exactly)
+        config, params = load_gguf_int4(source, progress=progress)
+    elif fmt == "gguf":
+        config, params, _ = load_gguf(source, dtype, progress=progress)
+        if native is not None and chosen == "int8":  # per channel from the file's float32 expansion
+            config, params = convert_params(params, config, "int8")
+    if config.dtype in ("int8", "int4"):  # a quantized GGUF: its variant alone, no float32 master
         return store.save(name, config, params, tokenizer, {**info, "dtype": config.dtype}, overwrite=overwrite)
     path = store.save(name, config, params, tokenizer, info, overwrite=overwrite)
     if chosen not in (None, "f32"):
