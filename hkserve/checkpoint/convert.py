@@ -11,10 +11,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hkserve.checkpoint.gguf_config import config_from_gguf
 from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_int4 import load_gguf_int4
 from hkserve.checkpoint.gguf_precision import native_weights
+from hkserve.checkpoint.gguf_reader import open_gguf
 from hkserve.checkpoint.hf import load_hf
+from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.model.config import WEIGHTS
@@ -42,29 +45,35 @@ def convert(
     origin: dict | None = None,
     weights: str | None = None,
 ) -> Path:
-    """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`, with the
-    weight variant `weights` beside the master; int8 and int4 are recorded as the one to serve on a CPU
-    (source.json "weights"; bf16 is not: XLA's CPU products are slow in it). None: a quantized GGUF's
-    own precision (gguf_precision.py: int4 from its blocks, or int8), nothing for float files; "f32":
-    the master only."""
+    """Import `source` (a .gguf file or an HF checkpoint directory) into the store as `name`; int8 and
+    int4 are recorded as the variant to serve on a CPU (source.json "weights"; bf16 is not: XLA's CPU
+    products are slow in it). `weights` None: a quantized GGUF's own precision (gguf_precision.py: int4
+    from its blocks, or int8), nothing for float files; "f32": the float32 master only. A quantized
+    GGUF served as int8/int4 stores that variant alone, without a float32 master (issue 36: the store
+    near the file's size; store.py expands it on request); float sources keep the master beside it."""
     source = Path(source)
     if source.is_dir():
         config, params = load_hf(source, dtype)
-        tokenizer = Tokenizer.from_hf_dir(source)
-        fmt, native = "hf", None
+        tokenizer, fmt, native = Tokenizer.from_hf_dir(source), "hf", None
     else:
-        config, params, reader = load_gguf(source, dtype, progress=progress)
-        tokenizer = Tokenizer.from_gguf(reader)
-        fmt, native = "gguf", _servable(native_weights(reader), config)
+        reader = open_gguf(source)
+        config, tokenizer, fmt = config_from_gguf(reader, dtype), Tokenizer.from_gguf(reader), "gguf"
+        native = _servable(native_weights(reader), config)
     chosen = weights or native
     info = {"format": fmt, "path": str(source.absolute()), "dtype": dtype, **(origin or {})}
     if chosen in ("int8", "int4"):
         info["weights"] = chosen
+    if native is not None and chosen == "int4":  # the file's own blocks (Q4_0/Q4_1/Q4_K kept exactly)
+        config, params = load_gguf_int4(source, progress=progress)
+    elif fmt == "gguf":
+        config, params, _ = load_gguf(source, dtype, progress=progress)
+        if native is not None and chosen == "int8":  # per channel from the file's float32 expansion
+            config, params = convert_params(params, config, "int8")
+    if config.dtype in ("int8", "int4"):  # a quantized GGUF: its variant alone, no float32 master
+        return store.save(name, config, params, tokenizer, {**info, "dtype": config.dtype}, overwrite=overwrite)
     path = store.save(name, config, params, tokenizer, info, overwrite=overwrite)
-    if chosen == "int4" and fmt == "gguf":
-        store_gguf_int4(source, name, store, progress)
-    elif chosen not in (None, "f32"):
-        store.params(name, weights=chosen)  # makes and stores the variant once
+    if chosen not in (None, "f32"):
+        store.variant_path(name, chosen)  # makes and stores the variant once
     return path
 
 
@@ -78,13 +87,6 @@ def _servable(native: str | None, config) -> str | None:
         log(f"keeping float32 only: {e}")
         return None
     return native
-
-
-def store_gguf_int4(source: str | Path, name: str, store: ModelStore, progress: bool = True) -> None:
-    """The int4 variant of a model converted from the GGUF `source`, made from the file's own blocks
-    (Q4_0/Q4_1/Q4_K kept exactly, gguf_int4.py) instead of from the float32 master."""
-    config, params = load_gguf_int4(source, progress=progress)
-    store.save_variant(name, "int4", params, config.int8_linears)
 
 
 def pull(

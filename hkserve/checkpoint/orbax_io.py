@@ -32,10 +32,11 @@ def save_params(path: Path, params: dict) -> None:
     )
 
 
-def restore_params(path: Path, config: ModelConfig, shardings=None) -> dict:
-    """Restore params of `config`; `shardings` is a tree of jax.sharding.Sharding like the params
-    (default: everything on the first device). Each array is read directly into its sharding."""
-    shapes = param_shapes(config)
+def restore_params(path: Path, config: ModelConfig, shardings=None, shapes=None) -> dict:
+    """Restore params of `config` (of `shapes` where they are stored in another layout: packed);
+    `shardings` is a tree of jax.sharding.Sharding like the params (default: everything on the first
+    device). Each array is read directly into its sharding."""
+    shapes = param_shapes(config) if shapes is None else shapes
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree_util.tree_map(lambda _: device, shapes)

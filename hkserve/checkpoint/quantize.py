@@ -11,7 +11,7 @@ from hkserve.model.config import ModelConfig
 from hkserve.model.int4 import quantize_int4
 
 # Quantized params and the axis their absmax reduces over (the input axis of each product).
-_INT8 = {"w": -2, "embeddings": -1, "gate_proj": -2, "up_proj": -2, "down_proj": -2}
+INT8_AXES = {"w": -2, "embeddings": -1, "gate_proj": -2, "up_proj": -2, "down_proj": -2}
 
 
 def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -37,8 +37,8 @@ def convert_params(params: dict, config: ModelConfig, dtype: str) -> tuple[Model
             if dtype == "int4" and name == "w":
                 q = quantize_int4(params[module][name])
                 out.setdefault(module, {}).update(w=q.nibbles, scale=q.scale, min=q.min)
-            elif (dtype == "int8" and name in _INT8) or (dtype == "int4" and name == "embeddings"):
-                values, scale = quantize_int8(params[module][name], _INT8[name])
+            elif (dtype == "int8" and name in INT8_AXES) or (dtype == "int4" and name == "embeddings"):
+                values, scale = quantize_int8(params[module][name], INT8_AXES[name])
                 out.setdefault(module, {})[name] = values
                 out[module]["scale" if name in ("w", "embeddings") else f"{name}_scale"] = scale
     for module, names in shapes.items():  # the rest (norm scales, or everything for bf16): cast

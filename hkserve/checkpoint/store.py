@@ -1,17 +1,21 @@
 """The model store: converted models under HKSERVE_HOME (default ~/.cache/hkserve).
 
-$HKSERVE_HOME/models/<name>/config.json      ModelConfig
-                           /params/          orbax checkpoint
+$HKSERVE_HOME/models/<name>/config.json      ModelConfig (its dtype: that of params/)
+                           /params/          orbax checkpoint: the float master, or for a quantized
+                                             GGUF only the int8/int4 variant it serves (no master)
+                           /params-<dtype>/  other weight variants, made on request
+                           /params*.packed.json  int8/int4 params stored in the CPU kernels' packed
+                                             layout (model/packing.py): its layout version
                            /tokenizer/       tokenizer.json | tokenizer.model + tokenizer_config.json
                            /source.json      where it came from
-                           /params-<dtype>/  a weight variant (int8, int4, bf16)
-                           /params-<dtype>.json  its config's fields beyond dtype, if any (int8_linears)
 $HKSERVE_HOME/tmp/                           work dirs; a model appears by one rename when complete
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,12 +25,17 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from hkserve.checkpoint.expand import QUANTIZED, expand_params
 from hkserve.checkpoint.orbax_io import restore_params, save_params
+from hkserve.checkpoint.packed_store import kernel_packing, pack_for_store, stored_layout
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.tokenizer import Tokenizer
+from hkserve.model.build import param_shapes
 from hkserve.model.config import WEIGHTS, ModelConfig
+from hkserve.model.packing import STORED_LAYOUT, unpack_layers
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+log = logging.getLogger("hkserve.store")
 
 
 def store_root() -> Path:
@@ -110,66 +119,82 @@ class ModelStore:
                 f"model {name!r} is a Transformer-VQ model: it serves its stored {config.dtype} "
                 f"weights only (weight variants are for KV models)"
             )
-        fields = self.info(name).path / f"params-{WEIGHTS[weights]}.json"
-        try:
-            extra = json.loads(fields.read_text()) if fields.exists() else {}
-            return config.replace(dtype=WEIGHTS[weights], **{k: tuple(v) for k, v in extra.items()})
-        except (ValueError, TypeError) as e:
-            raise DamagedModel(name, f"{fields}: {e}") from e
+        return config.replace(dtype=WEIGHTS[weights])
 
-    def params(self, name: str, shardings=None, weights: str | None = None) -> dict:
-        """Params restored onto `shardings`; a weight variant is made from the stored master (and
-        kept next to it as params-<dtype>) the first time it is asked for."""
-        info = self.info(name)
-        config = self.config(name, weights)
-        path = info.path / "params"
-        if config.dtype != info.config.dtype:
-            path = info.path / f"params-{config.dtype}"
-            if not path.exists():
-                self._make_variant(info, config.dtype, path)
-        return self._restore(info, path, config, shardings)
+    def params(self, name: str, shardings=None, weights: str | None = None, packing=None) -> dict:
+        """Params restored onto `shardings`; a weight variant is made from the stored params (and kept
+        next to them as params-<dtype>) the first time it is asked for: from the float master, or
+        from the quantized weights a model without one stores, expanded (checkpoint/expand.py).
+        int8/int4 params stored packed come back packed where `packing` (the serving model's
+        model/packing.py stored_packing: it reads them so) is given, else unpacked."""
+        info, config = self.info(name), self.config(name, weights)
+        return self._restore(info, self.variant_path(name, weights), config, shardings, packing)
+
+    def variant_path(self, name: str, weights: str | None = None) -> Path:
+        """The directory of the params of variant `weights` (None: those stored), made if missing."""
+        info, config = self.info(name), self.config(name, weights)
+        if config.dtype == info.config.dtype:
+            return info.path / "params"
+        path = info.path / f"params-{config.dtype}"
+        if not path.exists():
+            self._make_variant(info, config.dtype, path)
+        return path
 
     @staticmethod
-    def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings) -> dict:
+    def _restore(info: ModelInfo, path: Path, config: ModelConfig, shardings, packing=None) -> dict:
         """Restore, turning any failure to read the stored files (missing, truncated, corrupt: orbax and
         TensorStore raise many kinds) into one line naming the model."""
         if not path.is_dir():
             raise DamagedModel(info.name, f"{path} is missing")
-        try:
-            return restore_params(path, config, shardings)
+        layout = stored_layout(path)
+        if layout not in (None, STORED_LAYOUT):
+            raise DamagedModel(
+                info.name,
+                f"{path} is packed in layout {layout}, this hkserve reads {STORED_LAYOUT}: convert the model "
+                f"again (`hkserve convert {info.source.get('path', 'FILE')} --name {info.name} --overwrite`)",
+            )
+        unpack = layout is not None and packing is None  # packed on disk, read plain (the XLA path)
+        shapes = None if layout is None else jax.eval_shape(packing or kernel_packing(config), param_shapes(config))
+        try:  # the mesh's shardings fit the plain shapes: packed ones to unpack are read onto one device
+            params = restore_params(path, config, None if unpack else shardings, shapes)
         except Exception as e:
             raise DamagedModel(info.name, f"cannot read {path}: {type(e).__name__}: {e}") from e
+        if not unpack:  # plain, or packed for a model that reads them packed
+            return params
+        plain = jax.jit(functools.partial(unpack_layers, plain=param_shapes(config)))(params)
+        return plain if shardings is None else jax.device_put(plain, shardings)
 
     def _make_variant(self, info: ModelInfo, dtype: str, path: Path) -> None:
-        master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", info.config, None))
-        _, variant = convert_params(master, info.config, dtype)
-        self._write_variant(info, dtype, path, variant)
+        config = info.config
+        master = jax.tree_util.tree_map(np.asarray, self._restore(info, info.path / "params", config, None))
+        if config.dtype in QUANTIZED:
+            log.warning(
+                "%s stores %s weights only: its %s variant is expanded from them, equal to the source file's "
+                "dequantization only where %s kept its blocks exactly; `hkserve convert %s --name %s --weights f32 "
+                "--overwrite` stores the file's exact float32",
+                info.name,
+                config.dtype,
+                dtype,
+                config.dtype,
+                info.source.get("path", "FILE"),
+                info.name,
+            )
+            config, master = expand_params(master, config)
+        variant_config, variant = convert_params(master, config, dtype)
+        self._write_variant(info, variant_config, path, variant)
 
     def variant_sizes(self, name: str) -> dict[str, int]:
-        """Bytes on disk of each stored weight variant, the master's dtype first: {"float32": ..., "int4": ...}."""
+        """Bytes on disk of each stored weight variant, params/'s dtype first: {"float32": ..., "int4": ...}."""
         info = self.info(name)
         dirs = [(info.config.dtype, info.path / "params")]
         dirs += [(p.name.removeprefix("params-"), p) for p in sorted(info.path.glob("params-*")) if p.is_dir()]
         return {dtype: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for dtype, d in dirs}
 
-    def save_variant(self, name: str, dtype: str, params: dict, int8_linears: tuple[str, ...] = ()) -> None:
-        """Store `params` as the model's `dtype` variant (params-<dtype>), replacing one made before: e.g.
-        int4 made from a GGUF's own blocks (gguf_int4.py) rather than from the float master, with the
-        stacks it keeps in 8-bit groups (`int8_linears`, in params-<dtype>.json)."""
-        info = self.info(name)
-        path = info.path / f"params-{dtype}"
-        shutil.rmtree(path, ignore_errors=True)
-        fields = info.path / f"params-{dtype}.json"
-        fields.unlink(missing_ok=True)
-        if int8_linears:
-            fields.write_text(json.dumps({"int8_linears": list(int8_linears)}))
-        self._write_variant(info, dtype, path, params)
-
     @staticmethod
-    def _write_variant(info: ModelInfo, dtype: str, path: Path, variant: dict) -> None:
-        work = Path(tempfile.mkdtemp(prefix=f"params-{dtype}-", dir=info.path))
+    def _write_variant(info: ModelInfo, config: ModelConfig, path: Path, variant: dict) -> None:
+        work = Path(tempfile.mkdtemp(prefix=f"params-{config.dtype}-", dir=info.path))
         try:
-            save_params(work / "params", variant)
+            save_params(work / "params", pack_for_store(variant, config, path))
             (work / "params").rename(path)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -195,7 +220,7 @@ class ModelStore:
             (work / "source.json").write_text(json.dumps(source, indent=2))
             if tokenizer is not None:
                 tokenizer.save(work / "tokenizer")
-            save_params(work / "params", params)
+            save_params(work / "params", pack_for_store(params, config, work / "params"))
             self.models_dir.mkdir(parents=True, exist_ok=True)
             if final.exists():
                 trash = Path(tempfile.mkdtemp(prefix="old-", dir=tmp_root))

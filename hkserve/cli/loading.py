@@ -22,6 +22,7 @@ from hkserve.engine.spec_policy import SpecConfig
 from hkserve.kernels.dispatch import add_kernels_argument, resolve
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.config import WEIGHTS, default_weights
+from hkserve.model.packing import stored_packing
 from hkserve.model.sharding import param_shardings, parse_mesh
 
 
@@ -139,23 +140,28 @@ def load_engine(options: LoadOptions, slots: int, hosts=None, timeline: StartupT
     mesh = hosts.mesh(options.mesh, config) if hosts else parse_mesh(options.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
-    with phase("load"):
-        params = jax.block_until_ready(store.params(name, param_shardings(param_shapes(config), mesh, config), weights))
-    if timeline:
-        timeline.stored_weights_bytes = tree_bytes(params)
     kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
     if hosts and options.kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
         raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
+    with phase("build"):  # the model's functions (part of "pack" before the store kept weights packed)
+        model = build_model(config, kernels, None if options.layers == "auto" else options.layers)
+    with phase("load"):  # int8/int4 stored packed stay packed where the kernels read them so
+        shardings = param_shardings(param_shapes(config), mesh, config)
+        params = jax.block_until_ready(store.params(name, shardings, weights, stored_packing(model.prepare)))
+    if timeline:
+        timeline.stored_weights_bytes = tree_bytes(params)
     with phase("pack"):
-        engine = _build_engine(options, slots, config, kernels, params, mesh)
+        engine = _build_engine(options, slots, model, params, mesh)
     return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
 
 
-def _build_engine(options: LoadOptions, slots: int, config, kernels, params, mesh) -> Engine:
-    """The Engine, its params packed and its memory allocated (waited for: the start-up timeline's
-    "pack" is this work, not whatever later call would otherwise block on it)."""
+def _build_engine(options: LoadOptions, slots: int, model, params, mesh) -> Engine:
+    """The Engine, its params packed (or only fused, where the store kept them packed) and its memory
+    allocated (waited for: the start-up timeline's "pack" is this work, not whatever later call would
+    otherwise block on it)."""
+    config = model.config
     engine = Engine(
-        build_model(config, kernels, None if options.layers == "auto" else options.layers),
+        model,
         params,
         EngineOptions(
             slots=slots,

@@ -32,8 +32,9 @@ from hkserve.model.config import WEIGHTS
 from hkserve.train.cli import register as add_train_parsers
 
 VARIANT_HELP = (
-    "also store this weight variant, and serve it by default on a CPU if int8/int4 (default: a quantized GGUF's "
-    "own precision, int4 for 4-6 bit files from their blocks, int8 for Q8_0; f32 = the float32 master only)"
+    "the weight variant to store, served by default on a CPU if int8/int4 (default: a quantized GGUF's own "
+    "precision, int4 for 4-bit files from their blocks, int8 for Q8_0 and k-quant mixes, stored alone without a "
+    "float32 master; float sources keep their float32 master beside it; f32 = the float32 master only)"
 )
 
 
@@ -44,8 +45,8 @@ def _log(message: str) -> None:
 def cmd_pull(args) -> int:
     store = ModelStore()
     pull(args.name, store, progress=not args.quiet, weights=args.weights)
-    if args.weights not in (None, "f32"):  # a model pulled before: its variant made from the master now
-        store.params(args.name, weights=args.weights)
+    if args.weights is not None:  # a model pulled before: its variant made from the stored params now
+        store.variant_path(args.name, args.weights)
     return 0
 
 

@@ -197,6 +197,9 @@ class ModelConfig:
         return 2 * self.n_layers * gau + self.vocab_size * self.dim + head + (self.dim if self.vq_e_preln else 0)
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A changed copy; a dtype other than int4 drops int8_linears (they describe the int4 variant)."""
+        if changes.get("dtype", "int4") != "int4":
+            changes.setdefault("int8_linears", ())
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:

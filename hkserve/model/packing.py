@@ -1,4 +1,6 @@
-"""Stored int8 (int4) params → the layout the CPU kernels read (hkserve/kernels/pack.py, pack4.py), once at load.
+"""Stored int8 (int4) params → the layout the CPU kernels read (hkserve/kernels/pack.py, pack4.py): packed
+once when the store writes the variant (pack_layers; unpack_layers gives the XLA path its layout back), or
+at load for a store written before that.
 
 Projections of one input inside the layer stack (q, k, v; gate, up) are then fused into one packed
 weight (`fuse`): their tiles concatenated, each projection starting at a whole tile, and their
@@ -9,6 +11,8 @@ Projections with a bias stay separate.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from hkserve.kernels import pack, pack4
@@ -16,28 +20,96 @@ from hkserve.model.int4 import is_int8_group
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The version of the packed layout a model store keeps (pack_layers: kernels/pack.py, pack4.py as of
+# this number). A store written with another one is refused (checkpoint/store.py); tests/test_packed_store.py
+# pins the layout's bytes, so a change to pack.py or pack4.py fails there until this is bumped.
+STORED_LAYOUT = 1
 
 
 def pack_params(params: dict, served: dict) -> dict:
-    """Pack every param the kernel-mode decoder reads as uint8 (`served`: its param shapes). Tied
-    embeddings [V, D] are packed as the [D, V] output head; the lookup reads their columns back."""
+    """Pack every param the kernel-mode decoder reads as uint8 (`served`: its param shapes), then fuse."""
+    return fuse(pack_layers(params, served))
+
+
+def pack_layers(params: dict, served: dict) -> dict:
+    """Each param the kernel-mode decoder reads as uint8 packed on its own, the tree's structure kept:
+    the layout a model store keeps (checkpoint/store.py), so a param already packed passes through.
+    Tied embeddings [V, D] are packed as the [D, V] output head; the lookup reads their columns back."""
     out: dict = {}
     for module, names in params.items():
-        out[module] = {}
-        if "min" in names and served[module]["w"].dtype == jnp.uint8:  # int4 or 8-bit groups (kernels/pack4.py)
-            pack_groups = pack4.pack8 if is_int8_group(names) else pack4.pack4
-            packed = dict(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
-            out[module] = {**names, **packed}
-            assert all(packed[n].shape == served[module][n].shape for n in packed), module
+        out[module] = dict(names)
+        want = served[module]
+        if "min" in names and want["w"].dtype == jnp.uint8:  # int4 or 8-bit groups (kernels/pack4.py)
+            if names["w"].shape != want["w"].shape:
+                pack_groups = pack4.pack8 if is_int8_group(names) else pack4.pack4
+                out[module].update(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
+            assert all(out[module][n].shape == want[n].shape for n in ("w", "scale", "min")), module
             continue
         for name, value in names.items():
-            if served[module][name].dtype != jnp.uint8:
-                out[module][name] = value
-                continue
-            weight = jnp.swapaxes(value, -1, -2) if name == "embeddings" else value
-            out[module][name] = pack.pack(weight)
-            assert out[module][name].shape == served[module][name].shape, (module, name)
-    return fuse(out)
+            if want[name].dtype == jnp.uint8 and value.dtype != jnp.uint8:
+                out[module][name] = pack.pack(jnp.swapaxes(value, -1, -2) if name == "embeddings" else value)
+            assert out[module][name].shape == want[name].shape, (module, name)
+    return out
+
+
+def stored_packing(prepare) -> functools.partial | None:
+    """A model's `prepare` → its pack_layers (what a store keeps packed), or None where it packs nothing."""
+    if isinstance(prepare, functools.partial) and prepare.func is pack_params:
+        return functools.partial(pack_layers, served=prepare.keywords["served"])
+    return None
+
+
+def unpack_layers(params: dict, plain: dict) -> dict:
+    """pack_layers' inverse: packed params → the stored layout of `plain` (param shapes), for the XLA path."""
+    out: dict = {}
+    for module, names in params.items():
+        out[module] = dict(names)
+        want = plain[module]
+        if "min" in names and names["w"].shape != want["w"].shape:
+            unpack = _unpack8g if names["w"].shape[-1] == 2048 else _unpack4
+            out[module].update(w=unpack(names["w"], want["w"].shape[-1]))
+            out[module].update({n: _untile(names[n], want[n].shape[-1], want[n].dtype) for n in ("scale", "min")})
+        else:
+            for name, value in names.items():
+                if value.dtype == jnp.uint8 and want[name].dtype == jnp.int8:
+                    head = want[name].shape[::-1][:2] if name == "embeddings" else want[name].shape[-2:]
+                    w = _unpack8(value, *head)
+                    out[module][name] = jnp.swapaxes(w, -1, -2) if name == "embeddings" else w
+        assert all(out[module][n].shape == want[n].shape for n in want), module
+    return out
+
+
+def _unpack8(packed, k: int, n: int):
+    """uint8 [..., N_pad/64, K_pad/4, 64, 4] → int8 [..., K, N] (kernels/pack.py's pack, inverted)."""
+    *lead, tiles, quads, _, _ = packed.shape
+    nl = len(lead)
+    w = jnp.transpose(packed, (*range(nl), nl + 1, nl + 3, nl, nl + 2)).reshape(*lead, quads * 4, tiles * pack.N_TILE)
+    return (w[..., :k, :n].astype(jnp.int16) - 128).astype(jnp.int8)
+
+
+def _unpack4(packed, n: int):
+    """uint8 [..., T, G, 1024] → stored nibbles [..., G * 16, N] (kernels/pack4.py's pack4, inverted: a byte
+    keeps its two nibbles, only its place moves)."""
+    *lead, tiles, groups, _ = packed.shape
+    nl = len(lead)
+    w = packed.reshape(*lead, tiles, groups, 4, 4, 16, 4)  # [..., T, G, j, c, 16, e]
+    w = jnp.transpose(w, (*range(nl), nl + 1, nl + 2, nl + 5, nl, nl + 3, nl + 4))  # [..., G, j, e, T, c, 16]
+    return w.reshape(*lead, groups * 16, tiles * pack4.N_TILE)[..., :n]
+
+
+def _unpack8g(packed, n: int):
+    """uint8 [..., T, G, 2048] → stored 8-bit groups [..., G * 32, N] (kernels/pack4.py's pack8, inverted)."""
+    *lead, tiles, groups, _ = packed.shape
+    nl = len(lead)
+    w = packed.reshape(*lead, tiles, groups, 8, 4, 16, 4)  # [..., T, G, j, c, 16, e]
+    w = jnp.transpose(w, (*range(nl), nl + 1, nl + 2, nl + 5, nl, nl + 3, nl + 4))  # [..., G, j, e, T, c, 16]
+    return w.reshape(*lead, groups * 32, tiles * pack4.N_TILE)[..., :n]
+
+
+def _untile(tiled, n: int, dtype):
+    """Scale or min [..., T, G, 64] → [..., G, N]."""
+    *lead, tiles, groups, _ = tiled.shape
+    return jnp.swapaxes(tiled, -3, -2).reshape(*lead, groups, tiles * pack4.N_TILE)[..., :n].astype(dtype)
 
 
 def _fusable(entry: dict | None) -> bool:
