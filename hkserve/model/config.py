@@ -31,6 +31,7 @@ class ModelConfig:
     memory: str = "kv"  # "kv" (softmax KV cache) | "vq" (Transformer-VQ: codebook keys, constant-size state)
     dtype: str = "float32"  # weight storage: float32 | bfloat16 | int8 (per-output-channel scales, f32 norms)
     # | int4 (linear weights in groups of 32 with f32 scale and min, model/int4.py; embeddings int8)
+    kv_dtype: str = "auto"  # the KV memory's: auto (bfloat16 for bfloat16 weights, else float32) | float32 | bfloat16
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
@@ -82,6 +83,10 @@ class ModelConfig:
             self._check_vq()
         if self.dtype not in ("float32", "bfloat16", "int8", "int4"):
             raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8 | int4)")
+        if self.kv_dtype not in KV_DTYPES.values():
+            raise ValueError(f"unsupported kv_dtype {self.kv_dtype!r} ({' | '.join(KV_DTYPES.values())})")
+        if self.kv_dtype != "auto" and self.memory != "kv":
+            raise ValueError("kv_dtype chooses a KV memory's dtype: a Transformer-VQ memory keeps its own")
         if self.dtype == "int4" and (self.n_experts or self.memory != "kv"):
             raise ValueError("int4 weights are implemented for dense KV decoders only (not MoE experts, not VQ)")
         if self.moe_routing not in ("mixtral", "grok"):
@@ -192,7 +197,15 @@ class ModelConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
+KV_DTYPES = {"auto": "auto", "f32": "float32", "bf16": "bfloat16"}  # --kv-dtype names → ModelConfig.kv_dtype
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # --weights names → dtypes
+
+
+def with_kv_dtype(config: ModelConfig, name: str) -> ModelConfig:
+    """The model's config with --kv-dtype `name` (KV_DTYPES); "auto" leaves it as it is."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {' | '.join(KV_DTYPES)}, got {name!r}")
+    return config if name == "auto" else config.replace(kv_dtype=KV_DTYPES[name])
 
 
 def default_weights(backend: str, requested: str | None) -> str:
