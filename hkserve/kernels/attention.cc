@@ -14,6 +14,9 @@
 //
 // A (row, kv head)'s arithmetic is the same whatever the batch and whichever work item computes it,
 // so a request's result does not depend on the others (batch invariance).
+//
+// The memory is float32 or bfloat16 (--kv-dtype bf16: HkDecodeAttentionBf16, the same code for 16-bit
+// elements, widened exactly as they are loaded); q and the new token's key and value are float32.
 #include <immintrin.h>
 
 #include <algorithm>
