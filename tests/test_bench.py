@@ -136,18 +136,21 @@ def test_chat_lengths_are_clipped_to_the_context():
 
 
 def test_bench_serve_flags_reach_the_server_it_starts():
-    bench = build_parser().parse_args(["bench", "serve", "--kv-layout", "paged", "--kv-cache-mb", "256"])
-    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size)
+    bench = build_parser().parse_args(
+        ["bench", "serve", "--kv-layout", "paged", "--kv-cache-mb", "256", "--kv-dtype", "bf16"]
+    )
+    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size, bench.kv_dtype)
     serve = build_parser().parse_args(["serve", *server_flags(kv, bench.lengths)])
     assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("paged", 256.0, DEFAULT_BLOCK_SIZE)
+    assert serve.kv_dtype == "bf16"
     assert serve.prefix_cache is None  # fixed lengths: the server's default, as before
     serve = build_parser().parse_args(["serve", *server_flags(kv, "chat")])
     assert serve.prefix_cache == "off"  # chat: like the in-process runner, no repeat served from the cache
     serve = build_parser().parse_args(["serve", *KVOptions("static", None, 16).flags()])
-    assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size) == ("static", None, 16)
+    assert (serve.kv_layout, serve.kv_cache_mb, serve.kv_block_size, serve.kv_dtype) == ("static", None, 16, "auto")
     assert serve.max_step_tokens is None  # the runner's default
     bench = build_parser().parse_args(["bench", "serve", "--max-step-tokens", "96", "--long-prompt-every", "3"])
-    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size, bench.max_step_tokens)
+    kv = KVOptions(bench.kv_layout, bench.kv_cache_mb, bench.kv_block_size, bench.kv_dtype, bench.max_step_tokens)
     assert build_parser().parse_args(["serve", *server_flags(kv, bench.lengths)]).max_step_tokens == 96
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-step-tokens", "0"])

@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
-from hkserve.model.memory import init_memory, insert_slot
+from hkserve.model.config import with_kv_dtype
+from hkserve.model.memory import cache_dtype, init_memory, insert_slot
 
 TOL = 1e-5
 BUCKETS = (8, 16, 32)
@@ -81,6 +82,43 @@ def test_idle_slots_are_left_untouched_by_a_decode_step():
     np.testing.assert_array_equal(after.step, [1, 0, 1])
     assert not np.asarray(after.k[:, 1]).any()
     assert np.asarray(after.k[:, 0, 0]).any() and not np.asarray(after.k[:, 0, 1]).any()
+
+
+def test_a_bf16_memory_holds_each_key_rounded_once_and_is_read_as_its_float32_copy():
+    """--kv-dtype bf16 on XLA's path: prefill writes the float32 memory's keys and values rounded to bf16,
+    and decode steps give the bits of a float32 memory holding those rounded values (the read upcasts)."""
+    config = tiny_config()
+    half = with_kv_dtype(config, "bf16")
+    assert cache_dtype(half) == jnp.bfloat16 and cache_dtype(config) == jnp.float32
+    model = build_model(config)
+    params = model.init(jax.random.PRNGKey(4))
+    forward = jax.jit(model.forward, static_argnames=("attend_len",))
+    prompt, lengths = np.asarray([list(range(3, 12)), list(range(20, 29))], np.int32), np.asarray([9, 6], np.int32)
+    _, wide = forward(params, prompt, init_memory(config, 2, 16), lengths)
+    _, narrow = forward(params, prompt, init_memory(half, 2, 16), lengths)
+    assert narrow.k.dtype == jnp.bfloat16 == narrow.v.dtype
+    np.testing.assert_array_equal(narrow.k, wide.k.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(narrow.v, wide.v.astype(jnp.bfloat16))
+    assert np.abs(np.asarray(wide.k) - np.asarray(narrow.k.astype(jnp.float32))).max() > 1e-3  # there to see
+
+    def widened(memory):  # a float32 memory of the bf16 memory's values
+        return memory._replace(k=memory.k.astype(jnp.float32), v=memory.v.astype(jnp.float32))
+
+    for step in range(3):
+        token = np.full((2, 1), 40 + step, np.int32)
+        want, _ = forward(params, token, widened(narrow), np.ones(2, np.int32), attend_len=16)
+        got, narrow = forward(params, token, narrow, np.ones(2, np.int32), attend_len=16)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_kv_dtype_is_refused_where_it_means_nothing():
+    with pytest.raises(ValueError, match="unsupported kv_dtype"):
+        tiny_config(kv_dtype="float16")
+    with pytest.raises(ValueError, match="Transformer-VQ memory keeps its own"):
+        with_kv_dtype(tiny_vq_config(), "bf16")
+    with pytest.raises(ValueError, match="--kv-dtype must be one of auto | f32 | bf16"):
+        with_kv_dtype(tiny_config(), "fp8")
+    assert with_kv_dtype(tiny_vq_config(), "auto") == tiny_vq_config()
 
 
 def test_insert_slot_places_a_prefilled_memory_into_the_batch():

@@ -4,11 +4,14 @@ model's logits on a paged memory (XLA gather and CPU kernel) bit-equal to the st
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_config
-from test_attention_kernel import reference
+from test_attention_kernel import bf16_rounded, reference
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.kernels import dispatch, ffi
@@ -67,6 +70,29 @@ def test_paged_decode_attention_equals_float64_reference_and_the_static_kernel(g
     )
 
 
+@pytest.mark.parametrize(("dim", "bs", "window"), [(48, 5, 0), (32, 7, 6)])
+def test_paged_bf16_pool_equals_float64_reference_and_the_static_bf16_kernel(dim, bs, window):
+    """A bf16 pool (--kv-dtype bf16) read through the table: the float64 reference of the rounded memory,
+    and the static bf16 kernel's bits (one arithmetic path whatever the layout and the memory's dtype)."""
+    rng = np.random.default_rng(dim + bs)
+    layers, rows, heads, groups, positions = 2, 5, 2, 3, 37
+    past_len = np.asarray([0, 1, 7, 36, 37], np.int32)
+    q = rng.standard_normal((rows, heads, groups, dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((rows, heads, dim)).astype(np.float32) for _ in range(2))
+    k_mem, v_mem = (rng.standard_normal((layers, rows, positions, heads, dim)).astype(np.float32) for _ in range(2))
+    k_pool, table = paged_copy(k_mem, bs, 3, np.random.default_rng(1))
+    v_pool, _ = paged_copy(v_mem, bs, 3, np.random.default_rng(1))
+    paged = jax.jit(lambda *a: ffi.decode_attention(*a[:-1], table=a[-1]))
+    static = jax.jit(ffi.decode_attention)
+    bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    for layer in range(layers):
+        at = (np.int32(layer), past_len, np.int32(window))
+        y = np.asarray(paged(q, k_new, v_new, bf16(k_pool), bf16(v_pool), *at, table))
+        want = reference(q, k_new, v_new, bf16_rounded(k_mem), bf16_rounded(v_mem), layer, past_len, window, 0.0)
+        np.testing.assert_allclose(y, want, atol=2e-6, rtol=1e-5)
+        np.testing.assert_array_equal(y, np.asarray(static(q, k_new, v_new, bf16(k_mem), bf16(v_mem), *at)))
+
+
 def _steps(config, params, kernels, memory, slots=None):
     """Prefill two rows of different lengths (into `slots` of the memory), then 5 one-token steps of
     every slot: the logits of each call."""
@@ -96,12 +122,15 @@ def _paged(config, batch: int, bs: int, tables: np.ndarray):
     return memory._replace(table=jax.numpy.asarray(tables, jax.numpy.int32))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+    ("name", "kv"), [("gqa", "float32"), ("sliding-capped", "float32"), ("sliding-capped", "bfloat16")]
+)
 @pytest.mark.parametrize("path", ["xla", "kernels"])
-def test_model_on_a_paged_memory_equals_the_static_memory(name, path):
+def test_model_on_a_paged_memory_equals_the_static_memory(name, path, kv):
     """Same logits, bit for bit, through prefill (a scatter by block table) and decode steps (a gather,
-    or the kernel through the table): block size 5 (not dividing the window), shuffled blocks."""
-    config = CONFIGS[name]
+    or the kernel through the table): block size 5 (not dividing the window), shuffled blocks; a bf16
+    memory (--kv-dtype bf16) on either layout too."""
+    config = CONFIGS[name].replace(kv_dtype=kv)
     f32 = jax.tree_util.tree_map(np.asarray, build_model(config).init(jax.random.PRNGKey(5)))
     kernels = None
     if path == "kernels":

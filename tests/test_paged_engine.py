@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_config
@@ -28,10 +29,13 @@ CONFIG = tiny_config(vocab_size=96, sliding_window=24, sliding_layers=(True, Fal
 F32 = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRNGKey(7)))
 
 
-def make_runner(path: str, layout: str, slots: int = 4, **engine_args) -> InferenceRunner:
-    config, params, kernels = CONFIG, F32, None
-    if path == "kernels":  # int8 weights: the CPU kernels, decode attention in place (paged: by table)
-        config, params = convert_params(F32, CONFIG, "int8")
+def make_runner(path: str, layout: str, slots: int = 4, kv: str = "auto", **engine_args) -> InferenceRunner:
+    """path "xla" (float32 weights), "xla-int8" (int8 weights, XLA's dots and attention) or "kernels" (int8
+    weights on the CPU kernels); kv: the memory's dtype (ModelConfig.kv_dtype, --kv-dtype)."""
+    config, params, kernels = CONFIG.replace(kv_dtype=kv), F32, None
+    if path in ("kernels", "xla-int8"):  # int8 weights: the CPU kernels, decode attention in place (paged: by table)
+        config, params = convert_params(F32, config, "int8")
+    if path == "kernels":
         kernels = dispatch.resolve("auto", config.dtype)
         assert kernels is not None
     model = build_model(config, kernels)
@@ -87,6 +91,24 @@ def test_paged_outputs_equal_static_alone_and_among_16_neighbours(path):
     assert got_mixed == want_mixed
     assert [got_mixed[5], got_mixed[12]] == want_alone  # batch invariance on the paged layout
     assert paged.engine.kv_pool.used == 0  # prefix cache off: every block back once the requests end
+
+
+def test_bf16_kv_greedy_equal_on_the_kernel_and_xla_paths():
+    """--kv-dtype bf16: the memory holds bf16 (written rounded once by prefill and decode), and greedy
+    replies read through the kernel's bf16 variant equal those of XLA's upcast reads of the same bits.
+    Paged (the kernel through block tables); the static layout gives the paged one's bits with a bf16
+    memory too (test_paged_attention.py)."""
+    greedy = [TARGETS[0], Request(list(range(3, 70)), 30, SamplingParams(temperature=0.0))]
+    kernel, xla = make_runner("kernels", "paged", kv="bfloat16"), make_runner("xla-int8", "paged", kv="bfloat16")
+    assert kernel.engine.state.memory.k.dtype == jnp.bfloat16 == xla.engine.state.memory.v.dtype
+    assert run(kernel, greedy) == run(xla, greedy)
+
+
+def test_a_bf16_pool_of_the_same_mib_holds_twice_the_blocks():
+    f32, bf16 = (make_runner("xla", "paged", kv=kv, kv_cache_mb=0.5) for kv in ("float32", "bfloat16"))
+    assert block_bytes(CONFIG.replace(kv_dtype="bfloat16"), 16) * 2 == block_bytes(CONFIG, 16)
+    assert bf16.engine.kv_pool.total == 2 * f32.engine.kv_pool.total > 0
+    assert bf16.engine.state.memory.k.nbytes == f32.engine.state.memory.k.nbytes
 
 
 def test_prefix_reuse_copies_blocks_and_keeps_outputs():

@@ -16,7 +16,7 @@ from hkserve.bench import structured as bench_structured
 from hkserve.bench import vq as bench_vq
 from hkserve.bench.random_models import RANDOM_CONFIGS
 from hkserve.checkpoint.store import DEFAULT_MODEL
-from hkserve.model.config import WEIGHTS
+from hkserve.model.config import KV_DTYPES, WEIGHTS
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,6 +62,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="array size of the bandwidth measurement")
     p.add_argument("--matmul-n", type=int, default=None, help="n of the n×n matmul (default 2048 on CPU, else 8192)")
     p.add_argument("--weights", default=None, help="also measure these stored weight variants, e.g. f32,bf16,int8")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto", help="the KV memory's dtype (as serve's)")
     p.add_argument(
         "--background-load",
         action="store_true",

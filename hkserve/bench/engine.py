@@ -32,7 +32,7 @@ from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.model import layer_loop
 from hkserve.model.build import build_model
-from hkserve.model.config import WEIGHTS, default_weights
+from hkserve.model.config import WEIGHTS, default_weights, with_kv_dtype
 from hkserve.model.sampling import SamplingParams
 
 
@@ -81,11 +81,12 @@ def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, re
 def load_weights(args, weights: str):
     """(name, config, params) of the measured model: from the store, or random of a known shape."""
     if args.random:
-        config = random_config(args.random, WEIGHTS[weights])
+        config = with_kv_dtype(random_config(args.random, WEIGHTS[weights]), args.kv_dtype)
         _log(f"random {args.random}: {config.n_params / 1e9:.2f}B params in {config.dtype}, made on the device")
         return f"random:{args.random}", config, random_params(config)
     store = ModelStore()
-    return args.model, store.config(args.model, weights), store.params(args.model, weights=weights)
+    config = with_kv_dtype(store.config(args.model, weights), args.kv_dtype)
+    return args.model, config, store.params(args.model, weights=weights)
 
 
 def _ratio(a, b):
@@ -193,7 +194,7 @@ def bench_weight_variants(store, args, prompts, bandwidth: float, slot_counts: l
     """Decode tok/s per weight variant (f32 | bf16 | int8), with each variant's bandwidth limit."""
     out = {}
     for weights in args.weights.split(","):
-        config = store.config(args.model, weights)
+        config = with_kv_dtype(store.config(args.model, weights), args.kv_dtype)
         params = store.params(args.model, weights=weights)
         nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
         figures = {

@@ -33,6 +33,7 @@ from hkserve.bench.clients import run_clients
 from hkserve.bench.watch import Figures, Sample, Watcher, scrape
 from hkserve.bench.workload import PROMPTS, Job, LongPrompts, chat_jobs, distribution, fixed_jobs
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
+from hkserve.model.config import KV_DTYPES
 
 LONG_SEED = 10_000  # the k-th long prompt's sampling seed is LONG_SEED + k
 
@@ -84,6 +85,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="the server's and runner's KV layout")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="paged: the server's and runner's KV pool (MiB)")
     p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged: tokens per KV block")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto", help="the server's and runner's KV dtype")
     p.add_argument(
         "--max-step-tokens", type=int, default=None, help="the server's and runner's --max-step-tokens (see serve)"
     )
@@ -319,6 +321,7 @@ def _settings(args, slots: int, long: LongPrompts | None) -> dict:
         "kv_layout": args.kv_layout,
         "kv_cache_mb": args.kv_cache_mb,
         "kv_block_size": args.kv_block_size,
+        "kv_dtype": args.kv_dtype,
         "lengths": args.lengths,
         "chat_distribution": distribution() if args.lengths == "chat" else None,
         "long_prompt_every_s": args.long_prompt_every,
@@ -336,7 +339,7 @@ def run(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     slots, max_queue = server_slots(args.kv_layout, args.slots, levels), 4 * max(levels) + 8
     jobs, long = _workload(args, levels)
-    kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size, args.max_step_tokens)
+    kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size, args.kv_dtype, args.max_step_tokens)
     extra = server_flags(kv, args.lengths)
     with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=extra) as (url, _):
         http_phase(url, args.model, 1, 2, [*jobs[:1], long()] if long else jobs)  # warm the HTTP path

@@ -23,7 +23,7 @@ from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
-from hkserve.model.config import default_weights
+from hkserve.model.config import default_weights, with_kv_dtype
 from hkserve.model.sampling import SamplingParams
 
 SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
@@ -35,13 +35,23 @@ class KVOptions(NamedTuple):
     layout: str  # "static" | "paged" (engine/kv_layout.py)
     cache_mb: float | None  # paged: the pool's MiB; None: its default
     block_size: int  # paged: tokens per block
+    dtype: str = "auto"  # --kv-dtype: auto | f32 | bf16
     max_step_tokens: int | None = None  # a loop pass's tokens (runner.py); None: the runner's default
 
     def flags(self) -> tuple[str, ...]:
         """As `hkserve serve`'s flags."""
         mb = ("--kv-cache-mb", str(self.cache_mb)) if self.cache_mb is not None else ()
         step = ("--max-step-tokens", str(self.max_step_tokens)) if self.max_step_tokens is not None else ()
-        return ("--kv-layout", self.layout, *mb, "--kv-block-size", str(self.block_size), *step)
+        return (
+            "--kv-layout",
+            self.layout,
+            *mb,
+            "--kv-block-size",
+            str(self.block_size),
+            "--kv-dtype",
+            self.dtype,
+            *step,
+        )
 
 
 def start_runner(
@@ -51,7 +61,7 @@ def start_runner(
     runs an untimed phase of the workload instead, which compiles only the programs it uses)."""
     store = ModelStore()
     weights = default_weights(jax.default_backend(), None)
-    config = store.config(model, weights)
+    config = with_kv_dtype(store.config(model, weights), kv.dtype)
     params = store.params(model, weights=weights)
     engine = Engine(
         build_model(config),

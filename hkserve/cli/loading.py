@@ -21,7 +21,7 @@ from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
 from hkserve.kernels.dispatch import add_kernels_argument, resolve
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import WEIGHTS, default_weights
+from hkserve.model.config import KV_DTYPES, WEIGHTS, default_weights, with_kv_dtype
 from hkserve.model.packing import stored_packing
 from hkserve.model.sharding import param_shardings, parse_mesh
 
@@ -35,6 +35,7 @@ class LoadOptions:
     max_len: int = 2048
     mesh: str | None = None  # DATAxMODEL; None: parse_mesh's default for the model
     weights: str | None = None  # None: serving_weights' default
+    kv_dtype: str = "auto"  # --kv-dtype: auto | f32 | bf16 (KV_DTYPES)
     kernels: str = "auto"
     layers: str = "auto"  # "scan" / "loop"; auto: build_model's choice
     prefix_cache: str | None = None  # None: prefix_cache_mode's default for the model's memory
@@ -68,7 +69,7 @@ def serving_weights(store: ModelStore, name: str, requested: str | None) -> str 
 
 
 def add_variant_arguments(p) -> None:
-    """--weights, --kernels and --layers: which weights a command serves and how it runs them."""
+    """--weights, --kv-dtype, --kernels and --layers: which weights a command serves and how it runs them."""
     p.add_argument(
         "--weights",
         default=None,
@@ -76,8 +77,19 @@ def add_variant_arguments(p) -> None:
         help="weight variant (default: bf16 on a GPU/TPU; on a CPU the one the model was converted to serve, a "
         "quantized GGUF's own int4/int8, else f32)",
     )
+    add_kv_dtype_argument(p)
     add_kernels_argument(p)
     add_layers_argument(p)
+
+
+def add_kv_dtype_argument(p) -> None:
+    p.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        default="auto",
+        help="the KV memory's dtype: auto = the weights' (bf16 for bf16 weights, else f32); bf16 holds twice the "
+        "tokens in the same bytes (--kv-cache-mb), each key and value rounded once (docs/benchmarks.md, KV dtype)",
+    )
 
 
 def add_layers_argument(p) -> None:
@@ -136,7 +148,7 @@ def load_engine(options: LoadOptions, slots: int, hosts=None, timeline: StartupT
     if name == DEFAULT_MODEL and not store.exists(name):
         pull(name, store)
     weights = serving_weights(store, name, options.weights)
-    config = store.config(name, weights)
+    config = with_kv_dtype(store.config(name, weights), options.kv_dtype)
     mesh = hosts.mesh(options.mesh, config) if hosts else parse_mesh(options.mesh, config)
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it

@@ -15,7 +15,8 @@ from hkserve.kernels.build import library_path
 log = logging.getLogger("hkserve.kernels")
 ISA_NAMES = {2: "avx512vnni", 1: "avx2"}  # the kernels' isa attribute → name; 0: none of them
 TARGETS = {"w8a8": ("hk_w8a8", "HkW8A8"), "w8a16": ("hk_w8a16", "HkW8A16"), "w8a32": ("hk_w8a32", "HkW8A32")}
-ATTENTION = ("hk_decode_attention", "HkDecodeAttention")
+ATTENTION = ("hk_decode_attention", "HkDecodeAttention")  # a float32 KV memory
+ATTENTION_BF16 = ("hk_decode_attention_bf16", "HkDecodeAttentionBf16")  # a bfloat16 one (--kv-dtype bf16)
 LOGIT_STATS = ("hk_logit_stats", "HkLogitStats")
 
 
@@ -26,7 +27,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*TARGETS.values(), ATTENTION, LOGIT_STATS):
+    for target, symbol in (*TARGETS.values(), ATTENTION, ATTENTION_BF16, LOGIT_STATS):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
@@ -91,13 +92,19 @@ def decode_attention(
     table: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one new token per row (kernels/attention.cc): q [B, Hkv, G, D] (rotated and scaled),
-    the new token's k_new/v_new [B, Hkv, D], and the float32 memory [L, B, S, Hkv, D] of which layer
-    `layer` is read in place, positions < past_len [B] (within `window` if > 0) → [B, Hkv, G, D].
+    the new token's k_new/v_new [B, Hkv, D] (float32), and the float32 or bfloat16 memory [L, B, S, Hkv, D]
+    (bf16 read as stored, widened in registers) of which layer `layer` is read in place, positions
+    < past_len [B] (within `window` if > 0) → [B, Hkv, G, D].
     With `table` [B, MB] int32 the memory is a paged pool [L, NB, bs, Hkv, D] and row b's position s
     lies in block table[b, s // bs] (model/paged_memory.py)."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
-    call = jax.ffi.ffi_call(ATTENTION[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    targets = {jnp.dtype(jnp.float32): ATTENTION[0], jnp.dtype(jnp.bfloat16): ATTENTION_BF16[0]}
+    if k_memory.dtype not in targets or v_memory.dtype != k_memory.dtype:
+        raise ValueError(
+            f"decode attention reads a float32 or bfloat16 KV memory, got {k_memory.dtype}/{v_memory.dtype}"
+        )
+    call = jax.ffi.ffi_call(targets[k_memory.dtype], jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     blocks = jnp.zeros((q.shape[0], 0), jnp.int32) if table is None else i32(table)  # [B, 0]: the static memory
     return call(

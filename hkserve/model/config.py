@@ -34,6 +34,7 @@ class ModelConfig:
     int8_linears: tuple[str, ...] = ()  # int4 only: linear modules (by name: q_proj ... down_proj, lm_head)
     # stored as 8-bit groups of the same form (model/int4.Int8Group): a GGUF's stacks that hold other types
     # than Q4_0/Q4_1/Q4_K (checkpoint/gguf_int4.py)
+    kv_dtype: str = "auto"  # the KV memory's: auto (bfloat16 for bfloat16 weights, else float32) | float32 | bfloat16
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
@@ -91,6 +92,10 @@ class ModelConfig:
             self._check_vq()
         if self.dtype not in ("float32", "bfloat16", "int8", "int4"):
             raise ValueError(f"unsupported dtype {self.dtype!r} (float32 | bfloat16 | int8 | int4)")
+        if self.kv_dtype not in KV_DTYPES.values():
+            raise ValueError(f"unsupported kv_dtype {self.kv_dtype!r} ({' | '.join(KV_DTYPES.values())})")
+        if self.kv_dtype != "auto" and self.memory != "kv":
+            raise ValueError("kv_dtype chooses a KV memory's dtype: a Transformer-VQ memory keeps its own")
         if self.dtype == "int4" and (self.n_experts or self.memory != "kv"):
             raise ValueError("int4 weights are implemented for dense KV decoders only (not MoE experts, not VQ)")
         if self.int8_linears and (self.dtype != "int4" or not set(self.int8_linears) <= set(LINEARS)):
@@ -217,7 +222,15 @@ class ModelConfig:
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+KV_DTYPES = {"auto": "auto", "f32": "float32", "bf16": "bfloat16"}  # --kv-dtype names → ModelConfig.kv_dtype
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # --weights names → dtypes
+
+
+def with_kv_dtype(config: ModelConfig, name: str) -> ModelConfig:
+    """The model's config with --kv-dtype `name` (KV_DTYPES); "auto" leaves it as it is."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {' | '.join(KV_DTYPES)}, got {name!r}")
+    return config if name == "auto" else config.replace(kv_dtype=KV_DTYPES[name])
 
 
 def default_weights(backend: str, requested: str | None) -> str:

@@ -34,7 +34,13 @@ class KVMemory(NamedTuple):
 
 
 def cache_dtype(config: ModelConfig):
-    return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    """The KV memory's dtype: config.kv_dtype (--kv-dtype), or under "auto" the weights' float type (bfloat16
+    weights keep a bfloat16 memory, every other kind a float32 one). A bfloat16 memory holds each key and
+    value rounded once, as written; attention reads it widened to float32 (model/attention.py, the CPU
+    kernel's bf16 variant in kernels/attention.cc)."""
+    if config.kv_dtype != "auto":
+        return jnp.dtype(config.kv_dtype)
+    return jnp.dtype(jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
 
 
 def init_memory(config: ModelConfig, batch: int, max_len: int) -> KVMemory | VQMemory:

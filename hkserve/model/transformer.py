@@ -67,7 +67,7 @@ def _decoder(
         dispatch.active() is not None
         and slots is None
         and t == 1
-        and memory.k.dtype == jnp.float32
+        and memory.k.dtype in (jnp.float32, jnp.bfloat16)  # the kernel's two variants
         and c.head_dim % 16 == 0
         and not c.attn_sinks
     )
