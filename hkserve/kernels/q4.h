@@ -138,6 +138,28 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
+// One row of tile t, AVX2, reading each group's 1024 bytes in order: per input quad j the row's
+// activations are broadcast once for all 64 columns (8 integer sums a group), and the float sums
+// wait in memory (touched once a group). Each column's arithmetic is rows_avx2's, so the bits are too.
+template <class A>
+__attribute__((target("avx2,fma"))) void row_avx2(const Q4Problem& p, int64_t t, int64_t r) {
+  const Q4Tile tl = tile4(p, t);
+  alignas(32) float acc[NT] = {};
+  for (int64_t g = 0; g < tl.ng; ++g) {
+    __m256i s[8];
+    for (int i = 0; i < 8; ++i) s[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* q = tl.w + g * GB + j * 256;
+      prefetch_256(q);
+      const typename A::X256 x = A::acts256(p, r, g, j);
+      for (int i = 0; i < 8; ++i) s[i] = A::dot256(s[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)), x);
+    }
+    for (int i = 0; i < 8; ++i)
+      _mm256_store_ps(acc + 8 * i, group_avx2(p, tl, g * NT + 8 * i, r * tl.ng + g, A::sums256(s[i]), _mm256_load_ps(acc + 8 * i)));
+  }
+  store4(p, r, t, acc);
+}
+
 // Rows [r, end) of tile t on ISA path `isa`, in pairs that share each weight load.
 template <class A>
 void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end) {
@@ -146,7 +168,7 @@ void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end
     for (; r < end; ++r) rows_512<A, 1>(p, t, r);
   } else {
     for (; r + 2 <= end; r += 2) rows_avx2<A, 2>(p, t, r);
-    for (; r < end; ++r) rows_avx2<A, 1>(p, t, r);
+    for (; r < end; ++r) row_avx2<A>(p, t, r);
   }
 }
 
