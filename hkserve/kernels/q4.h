@@ -76,13 +76,12 @@ __attribute__((target("avx2,fma"))) inline __m256 group_avx2(const Q4Problem& p,
 }
 
 // Rows r0..r0+R-1 of tile t: per group, integer sums per column (16 columns a vector), then
-// group_512's float step; the rows share each weight load.
+// group_512's float step on sums kept in memory (touched once a group: the registers hold the
+// integer sums and the activations); the rows share each weight load and its unpacking.
 template <class A, int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Problem& p, int64_t t, int64_t r0) {
   const Q4Tile tl = tile4(p, t);
-  __m512 f[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) f[r][c] = _mm512_setzero_ps();
+  alignas(64) float acc[R][NT] = {};
   for (int64_t g = 0; g < tl.ng; ++g) {
     __m512i a[R][4];
     for (int r = 0; r < R; ++r)
@@ -97,14 +96,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Pro
         for (int r = 0; r < R; ++r) a[r][c] = A::dot512(a[r][c], v, x[r]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) f[r][c] = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], f[r][c]);
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) {
+        __m512 f = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], _mm512_load_ps(acc[r] + 16 * c));
+        _mm512_store_ps(acc[r] + 16 * c, f);
+      }
+    }
   }
-  alignas(64) float acc[NT];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + 16 * c, f[r][c]);
-    store4(p, r0 + r, t, acc);
-  }
+  for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
 // Rows r0..r0+R-1 of tile t, AVX2, each group's 1024 bytes read in order: per input quad j a row's
@@ -139,10 +138,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
-// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (AVX-512: 2, AVX2: 4, then 2).
+// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (4, then 2, then 1).
 template <class A>
 void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end) {
   if (isa == 2) {
+    for (; r + 4 <= end; r += 4) rows_512<A, 4>(p, t, r);
     for (; r + 2 <= end; r += 2) rows_512<A, 2>(p, t, r);
     for (; r < end; ++r) rows_512<A, 1>(p, t, r);
   } else {
