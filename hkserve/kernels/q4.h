@@ -130,7 +130,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t
     }
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < 8; ++i) {
-        __m256 f = group_avx2(p, tl, g * NT + 8 * i, (r0 + r) * tl.ng + g, A::sums256(s[r][i]), _mm256_load_ps(acc[r] + 8 * i));
+        __m256 f = _mm256_load_ps(acc[r] + 8 * i);
+        f = group_avx2(p, tl, g * NT + 8 * i, (r0 + r) * tl.ng + g, A::sums256(s[r][i]), f);
         _mm256_store_ps(acc[r] + 8 * i, f);
       }
     }
