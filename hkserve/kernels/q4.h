@@ -77,13 +77,12 @@ __attribute__((target("avx2,fma"))) inline __m256 group_avx2(const Q4Problem& p,
 }
 
 // Rows r0..r0+R-1 of tile t: per group, integer sums per column (16 columns a vector), then
-// group_512's float step; the rows share each weight load.
+// group_512's float step on sums kept in memory (touched once a group: the registers hold the
+// integer sums and the activations); the rows share each weight load and its unpacking.
 template <class A, int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Problem& p, int64_t t, int64_t r0) {
   const Q4Tile tl = tile4(p, t, A::kBytes);
-  __m512 f[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) f[r][c] = _mm512_setzero_ps();
+  alignas(64) float acc[R][NT] = {};
   for (int64_t g = 0; g < tl.ng; ++g) {
     __m512i a[R][4];
     for (int r = 0; r < R; ++r)
@@ -98,54 +97,58 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Pro
         for (int r = 0; r < R; ++r) a[r][c] = A::dot512(a[r][c], v, x[r]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) f[r][c] = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], f[r][c]);
-  }
-  alignas(64) float acc[NT];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + 16 * c, f[r][c]);
-    store4(p, r0 + r, t, acc);
-  }
-}
-
-// As rows_512 one 16-column quarter at a time, each 64-byte line as two 8-column halves.
-template <class A, int R>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t, int64_t r0) {
-  const Q4Tile tl = tile4(p, t, A::kBytes);
-  float acc[R][NT];
-  for (int c = 0; c < 4; ++c) {
-    __m256 f[R][2];
-    for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < tl.ng; ++g) {
-      __m256i s[R][2];
-      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-      for (int j = 0; j < A::kQuads; ++j) {
-        const uint8_t* q = tl.w + g * A::kBytes + j * 256 + 64 * c;
-        _mm_prefetch(reinterpret_cast<const char*>(q + PF), _MM_HINT_T0);
-        typename A::X256 x[R];
-        for (int r = 0; r < R; ++r) x[r] = A::acts256(p, r0 + r, g, j);
-        for (int e = 0; e < 2; ++e) {
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * e));
-          for (int r = 0; r < R; ++r) s[r][e] = A::dot256(s[r][e], v, x[r]);
-        }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) {
+        __m512 f = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], _mm512_load_ps(acc[r] + 16 * c));
+        _mm512_store_ps(acc[r] + 16 * c, f);
       }
-      for (int r = 0; r < R; ++r)
-        for (int e = 0; e < 2; ++e)
-          f[r][e] = group_avx2(p, tl, g * NT + 16 * c + 8 * e, (r0 + r) * tl.ng + g, A::sums256(s[r][e]), f[r][e]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int e = 0; e < 2; ++e) _mm256_storeu_ps(acc[r] + 16 * c + 8 * e, f[r][e]);
   }
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
-// Rows [r, end) of tile t on ISA path `isa`, in pairs that share each weight load.
+// Rows r0..r0+R-1 of tile t, AVX2, each group's 1024 bytes read in order: per input quad j a row's
+// activations are broadcast once for all 64 columns (8 vectors of integer sums a row), and the float
+// sums wait in memory, touched once a group. Reading a 16-column quarter of the tile a pass instead
+// (the registers' fit) was 1.5x slower at batch 1 and 1.15x at 16 rows (README.md).
+template <class A, int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t, int64_t r0) {
+  const Q4Tile tl = tile4(p, t, A::kBytes);
+  alignas(32) float acc[R][NT] = {};
+  for (int64_t g = 0; g < tl.ng; ++g) {
+    __m256i s[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 8; ++i) s[r][i] = _mm256_setzero_si256();
+    for (int j = 0; j < A::kQuads; ++j) {
+      const uint8_t* q = tl.w + g * A::kBytes + j * 256;
+      prefetch_256(q);
+      typename A::X256 x[R];
+      for (int r = 0; r < R; ++r) x[r] = A::acts256(p, r0 + r, g, j);
+      for (int i = 0; i < 8; ++i) {  // columns 8i..8i+7
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+        for (int r = 0; r < R; ++r) s[r][i] = A::dot256(s[r][i], v, x[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 8; ++i) {
+        __m256 f = _mm256_load_ps(acc[r] + 8 * i);
+        f = group_avx2(p, tl, g * NT + 8 * i, (r0 + r) * tl.ng + g, A::sums256(s[r][i]), f);
+        _mm256_store_ps(acc[r] + 8 * i, f);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
+}
+
+// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (4, then 2, then 1).
 template <class A>
 void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end) {
   if (isa == 2) {
+    for (; r + 4 <= end; r += 4) rows_512<A, 4>(p, t, r);
     for (; r + 2 <= end; r += 2) rows_512<A, 2>(p, t, r);
     for (; r < end; ++r) rows_512<A, 1>(p, t, r);
   } else {
+    for (; r + 4 <= end; r += 4) rows_avx2<A, 4>(p, t, r);
     for (; r + 2 <= end; r += 2) rows_avx2<A, 2>(p, t, r);
     for (; r < end; ++r) rows_avx2<A, 1>(p, t, r);
   }

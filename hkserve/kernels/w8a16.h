@@ -69,42 +69,43 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a16_rows_512(const P
   }
 }
 
-// As a16_rows_512 in 16-column quarters of the tile (64 bytes of each 256-byte weight row; 4 columns
-// x 4 inputs a 16-byte line), vpmaddwd + vpaddd for vpdpwssd.
+// As a16_rows_512 with 256-bit vectors: each 256-byte weight row read in order, 16 lines of 4 columns x
+// 4 inputs widened to 16 bits, vpmaddwd + vpaddd for vpdpwssd; the integer sums stay in registers
+// where they fit (the compiler keeps the rest in L1). Walking the tile a 16-column quarter a pass
+// instead (what 16 registers hold) was ~2x slower at batch 1 (kernels/README.md).
 template <int R>
 __attribute__((target("avx2,fma"))) void a16_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
   const uint8_t* wt = p.w + t * p.kp * NT;
   const int64_t nb = blocks16(p.kp);
-  for (int h = 0; h < 4; ++h) {
-    alignas(32) float f[R][4][8] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i a[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_si256();
-      for (int64_t g = b * (QK16 / 4), end = std::min(p.kp, (b + 1) * QK16) / 4; g < end; ++g) {
-        const uint8_t* q = wt + g * 256 + h * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(q + PF), _MM_HINT_T0);
-        __m256i w[4];
-        for (int i = 0; i < 4; ++i)
-          w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
-        for (int r = 0; r < R; ++r) {
-          int64_t x4;
-          std::memcpy(&x4, p.x16 + (r0 + r) * p.kp + g * 4, 8);
-          __m256i xb = _mm256_set1_epi64x(x4);
-          for (int i = 0; i < 4; ++i) a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(w[i], xb));
-        }
-      }
+  alignas(32) float f[R][16][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i a[R][16];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 16; ++i) a[r][i] = _mm256_setzero_si256();
+    for (int64_t g = b * (QK16 / 4), end = std::min(p.kp, (b + 1) * QK16) / 4; g < end; ++g) {
+      const uint8_t* q = wt + g * 256;
+      prefetch_256(q);
+      __m256i xb[R];
       for (int r = 0; r < R; ++r) {
-        __m256i cv = _mm256_set1_epi64x(offsets(p, r0 + r, nb, b));
-        __m256 dv = _mm256_set1_ps(p.d16[(r0 + r) * nb + b]);
-        for (int i = 0; i < 4; ++i) {
-          __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][i], cv));
-          _mm256_store_ps(f[r][i], _mm256_fmadd_ps(s, dv, _mm256_load_ps(f[r][i])));
-        }
+        int64_t x4;
+        std::memcpy(&x4, p.x16 + (r0 + r) * p.kp + g * 4, 8);
+        xb[r] = _mm256_set1_epi64x(x4);
+      }
+      for (int i = 0; i < 16; ++i) {
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
+        for (int r = 0; r < R; ++r) a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(w, xb[r]));
       }
     }
-    for (int r = 0; r < R; ++r) sum_lane_pairs(&f[r][0][0], acc[r] + 16 * h, 16);
+    for (int r = 0; r < R; ++r) {
+      __m256i cv = _mm256_set1_epi64x(offsets(p, r0 + r, nb, b));
+      __m256 dv = _mm256_set1_ps(p.d16[(r0 + r) * nb + b]);
+      for (int i = 0; i < 16; ++i) {
+        __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][i], cv));
+        _mm256_store_ps(f[r][i], _mm256_fmadd_ps(s, dv, _mm256_load_ps(f[r][i])));
+      }
+    }
   }
+  for (int r = 0; r < R; ++r) sum_lane_pairs(&f[r][0][0], acc[r], NT);
 }
 
 // Rows → int16 blocks of 128 (zero past k): q = round-half-even(x * (32767 / absmax)), the scale
