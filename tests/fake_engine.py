@@ -63,6 +63,7 @@ class FakeEngine:
     prefix_cache: str = "off"
     prefill_chunk: int | None = None
     supports_grammars: bool = True
+    step_tokens: int = 1  # positions a step writes per row, as Engine's
     kv_blocks: int = 0  # > 0: a paged layout of this many blocks (one data shard), held as the real Engine's
     block_size: int = 4
     stepping: threading.Event = field(default_factory=threading.Event)

@@ -50,6 +50,7 @@ class Engine(PagedSlots, Warmup):
     """
 
     supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
+    step_tokens = 1  # positions one step writes per row (a speculating engine's verify step: k+1)
 
     def __init__(self, model: Model, params, options: EngineOptions = EngineOptions(), mesh: Mesh | None = None):
         """`options`: how it is built (EngineOptions); `mesh`: the devices (default: the first one)."""
