@@ -110,7 +110,8 @@ class FakeEngine:
     ) -> FakePending:
         self.check_fits(len(prompt_ids))
         self._assign(slot, len(prompt_ids))
-        self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()))
+        resumed = (("generated", generated),) if generated else ()  # a preempted request resuming
+        self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()) + resumed)
         self.last[slot] = self._allowed((prompt_ids[-1] + 1) % self.vocab_size, bitmask, 0)
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])
