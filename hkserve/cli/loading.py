@@ -144,8 +144,6 @@ def load_engine(options: LoadOptions, slots: int, hosts=None, timeline: StartupT
     if timeline:
         timeline.stored_weights_bytes = tree_bytes(params)
     kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
-    if hosts and options.kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
-        raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
     with phase("pack"):
         engine = _build_engine(options, slots, config, kernels, params, mesh)
     return speculative.wrap(engine, options.speculative, options.num_speculative_tokens, hosts)
