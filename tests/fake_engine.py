@@ -66,6 +66,7 @@ class FakeEngine:
     prefill_chunk: int | None = None
     supports_grammars: bool = True
     chunk: int = 0  # > 0: start_prefill / continue_prefill go this many prompt tokens per chunk; 0: one-shot
+    step_tokens: int = 1  # positions a step writes per row, as Engine's
     kv_blocks: int = 0  # > 0: a paged layout of this many blocks (one data shard), held as the real Engine's
     block_size: int = 4
     stepping: threading.Event = field(default_factory=threading.Event)
@@ -112,7 +113,8 @@ class FakeEngine:
     ) -> FakePending:
         self.check_fits(len(prompt_ids))
         self._assign(slot, len(prompt_ids))
-        self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()))
+        resumed = (("generated", generated),) if generated else ()  # a preempted request resuming
+        self.calls.append(("prefill", slot, list(prompt_ids)) + ((reuse,) if reuse else ()) + resumed)
         self.last[slot] = self._allowed((prompt_ids[-1] + 1) % self.vocab_size, bitmask, 0)
         self.positions[slot] = len(prompt_ids)
         return FakePending([token(self.last[slot])])

@@ -11,9 +11,12 @@ import numpy as np
 from helpers import tiny_config
 
 from hkserve.engine.engine import Engine
+from hkserve.engine.kv_layout import block_bytes
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
+from hkserve.engine.spec_policy import SpecConfig
+from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model, param_shapes
 from hkserve.model.memory import init_memory
 from hkserve.model.sampling import SamplingParams
@@ -22,11 +25,12 @@ from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
 # int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them
 # the layer loop (the GPU default) on two meshes, and "scan-1x1": the scan on one device, to compare with
-# the paged KV layout (each data shard its own blocks) on 1x8 and 2x4, and "static-1x1" to compare with
+# the paged KV layout (each data shard its own blocks) on 1x8 and 2x4, and "static-1x1" to compare with;
+# "spec-small-2x4": speculating on 2x4 paged with a pool of one --max-len request per data shard (preempting)
 MESHES_OF_KIND = {
     "tiny-int8": ["1x1", "2x4"],
     "tiny-loop": ["1x1", "1x8", "2x4", "scan-1x1"],
-    "tiny-paged": ["1x1", "1x8", "2x4", "static-1x1"],
+    "tiny-paged": ["1x1", "1x8", "2x4", "static-1x1", "spec-small-2x4"],
 }
 
 
@@ -93,7 +97,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
     for name in MESHES_OF_KIND.get(kind, MESHES):
         if name.startswith("scan-"):
             model = build_model(config, layers="scan")
-        mesh = mesh_for(name.removeprefix("scan-").removeprefix("static-"))
+        mesh = mesh_for(name.split("-")[-1])
         shardings = param_shardings(param_shapes(config), mesh, config)
         if kind != "smollm2":
             params = jax.device_put(host_params, shardings)
@@ -102,14 +106,18 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
                 assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
         paged = kind == "tiny-paged" and not name.startswith("static-")
-        kv = {"kv_layout": "paged", "block_size": 16} if paged else {}
-        options = EngineOptions(slots=8, max_len=256, prefill_buckets=(16, 32, 64), **kv)
-        engine = Engine(model, params, options, mesh=mesh)
+        kv = {"kv_layout": "paged", "block_size": 16, "max_len": 256} if paged else {"max_len": 256}
+        if name.startswith("spec-small-"):  # 8 blocks of 16: 64 positions per data shard, --max-len 64
+            kv |= {"max_len": 64, "kv_cache_mb": 8 * block_bytes(config, 16) / 2**20}
+        engine = Engine(model, params, EngineOptions(slots=8, prefill_buckets=(16, 32, 64), **kv), mesh=mesh)
+        if name.startswith("spec-"):  # always drafting: the greedy tokens must not change
+            engine = SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0))
         runner = InferenceRunner(engine).start(warmup=False)
         try:
             tokens = greedy(runner, prompts, max_tokens, stop_ids)
         finally:
             runner.stop()
+        results[f"{name}/preemptions"] = np.asarray(runner.preemptions)
         results[f"{name}/logits"] = prompt_logits(model, params, prompts, mesh)
         results[f"{name}/tokens"] = np.asarray([t + [-1] * (max_tokens - len(t)) for t in tokens])
         print(name, "done", flush=True)

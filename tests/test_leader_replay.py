@@ -1,5 +1,6 @@
 """Host 0's LeaderEngine announces each device call and the followers replay it: a batched prefill
-(prefill_many) reaches a follower's engine as the same call, slots, prompts and settings."""
+(prefill_many) reaches a follower's engine as the same call, slots, prompts and settings; under the
+paged layout a follower's block pool follows host 0's through preemptions and releases."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import numpy as np
 from fake_engine import FakeEngine
 
+from hkserve.engine.requests import Request
+from hkserve.engine.runner import InferenceRunner
 from hkserve.model.sampling import SamplingParams
 from hkserve.multihost.hosts import LeaderEngine, follow
 
@@ -68,3 +71,27 @@ def test_grammar_masks_reach_a_follower_with_the_prefill_and_the_split_step():
     assert follow(follower_engine, iter(channel.sent + [{"op": "exit"}])) == 0
     assert follower_engine.calls == leader_engine.calls
     assert follower_engine.calls[-1] == ("sample", 3, masks.tolist())
+
+
+def test_a_follower_replaying_a_paged_run_with_preemptions_holds_host_0s_block_tables_after_every_pass():
+    """Paged (issue 34): host 0's block pool decides which blocks each slot holds; a follower's pool
+    makes the same decisions only if it replays every call that changes one — prefills (a preempted
+    request's resume with its `generated` tokens too), steps, and releases — in order."""
+    rng = np.random.default_rng(5)
+    requests = [
+        Request(rng.integers(1, 100, rng.integers(1, 10)).tolist(), int(rng.integers(5, 20))) for _ in range(16)
+    ]
+    leader_engine, follower_engine = (FakeEngine(slots=8, kv_blocks=16, block_size=4) for _ in range(2))
+    channel = RecordingLeader()
+    runner = InferenceRunner(LeaderEngine(leader_engine, channel), max_queue=64)  # never started: we are the loop
+    streams = [runner.submit(r) for r in requests]
+    replayed = 0
+    while not all(s.done for s in streams):
+        runner.iterate()
+        assert follow(follower_engine, iter(channel.sent[replayed:] + [{"op": "exit"}])) == 0
+        replayed = len(channel.sent)
+        leader, follower = leader_engine.kv_pool, follower_engine.kv_pool
+        assert (follower.table == leader.table).all() and follower.held == leader.held
+    assert runner.preemptions > 0 and follower_engine.calls == leader_engine.calls
+    assert any(m.get("generated") for m in channel.sent if m["op"] == "prefill")  # resumes were announced
+    assert follower_engine.kv_pool.used == leader_engine.kv_pool.used == 0

@@ -50,9 +50,11 @@ def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tmp_path
 @pytest.mark.timeout(1500)
 def test_the_paged_kv_layout_on_two_meshes_equals_single_device_and_the_static_layout(tmp_path):
     """Blocks sharded on the model axis like the static memory; on 2x4 each data shard's slots take
-    only that shard's blocks (engine/block_pool.py)."""
+    only that shard's blocks (engine/block_pool.py). Speculating on 2x4 with a pool of one request per
+    data shard: each shard preempts on its own, and the greedy tokens stay the single device's."""
     paged = run_worker("tiny-paged", str(tmp_path / "paged.npz"))
-    assert_meshes_agree(paged, ["1x8", "2x4", "static-1x1"])
+    assert_meshes_agree(paged, ["1x8", "2x4", "static-1x1", "spec-small-2x4"])
+    assert paged["2x4/preemptions"] == 0 and paged["spec-small-2x4/preemptions"] > 0
 
 
 @pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite

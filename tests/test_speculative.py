@@ -121,7 +121,12 @@ SETTINGS = [
 
 
 def test_verify_emits_exactly_the_plain_tokens_and_logprobs_for_every_sampling_setting(tiny):
-    plain, spec = tiny
+    verify_equals_plain(*tiny)
+
+
+def verify_equals_plain(plain, spec) -> None:
+    """A repetitive prompt under every sampling setting: the speculating engine's tokens, finish
+    reasons, logprobs and top alternatives are the plain engine's, and some drafts were accepted."""
     rng = np.random.default_rng(0)
     pattern = rng.integers(0, 128, 12).tolist()
     requests = lambda: [Request(pattern * 3, 40, s, stop_ids=(), logprobs=3) for s in SETTINGS]
@@ -137,7 +142,11 @@ def test_verify_emits_exactly_the_plain_tokens_and_logprobs_for_every_sampling_s
 
 
 def test_a_request_filling_its_context_ends_where_the_plain_one_does(tiny):
-    plain, spec = tiny
+    fills_context_as_plain(*tiny)
+
+
+def fills_context_as_plain(plain, spec) -> None:
+    """A request whose max_tokens reaches --max-len (96) exactly: the same tokens and length as plain."""
     prompt = [3, 4, 5, 6] * 10
     requests = lambda: [Request(prompt, 96 - len(prompt), SamplingParams(), stop_ids=())]
     (a,), (b,) = _run(spec, requests()), _run(plain, requests())

@@ -153,8 +153,6 @@ def load_engine(options: LoadOptions, slots: int, hosts=None, timeline: StartupT
     data = mesh.shape["data"]
     slots = -(-slots // data) * data  # slots are split over the data axis: round up to fill it
     kernels = resolve(options.kernels, config.dtype, config.memory, mesh.size)
-    if hosts and options.kv_layout == "paged":  # the followers would need the block pool's calls broadcast too
-        raise ValueError("--kv-layout paged runs on one host for now: use --kv-layout static with --num-hosts")
     with phase("build"):  # the model's functions (part of "pack" before the store kept weights packed)
         model = build_model(config, kernels, None if options.layers == "auto" else options.layers)
     with phase("load"):  # int8/int4 stored packed stay packed where the kernels read them so

@@ -68,7 +68,8 @@ class Admission:
                 ids = request.prompt_ids + stream.generated  # a preempted request resumes after its tokens
                 # A scoring prefill scores every prompt token (reusing nothing), once: not when resumed.
                 scoring = request.prompt_logprobs is not None and not stream.generated
-                now = min(len(ids) + 1, self.engine.max_len)  # its prefill and its first step's token
+                # its prefill and what its first step writes (k+1 positions on a speculating engine)
+                now = min(len(ids) + self.engine.step_tokens, self.engine.max_len)
                 roomy = self._roomy(free, now)
                 if not roomy:  # the pool cannot give it its blocks yet: it waits, first in line
                     with self._lock:

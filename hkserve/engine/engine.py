@@ -51,6 +51,7 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
     """
 
     supports_grammars = True  # step_forward / step_sample and a prefill's first-token bitmask
+    step_tokens = 1  # positions one step writes per row (a speculating engine's verify step: k+1)
 
     def __init__(self, model: Model, params, options: EngineOptions = EngineOptions(), mesh: Mesh | None = None):
         """`options`: how it is built (EngineOptions); `mesh`: the devices (default: the first one)."""
@@ -204,8 +205,10 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
                 in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
                 out_sh = (self.state_shardings, rep)
             elif kind == "table":  # the host's block table into the (donated) state
+                # Passed replicated, like `active`: a host's numpy array may only enter a program that
+                # spans hosts replicated (every host passes the same table); the program slices it.
                 fn = set_table
-                in_sh = (self.state_shardings, self._sharding("data", None))
+                in_sh = (self.state_shardings, rep)
                 out_sh = self.state_shardings
                 self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
                 return self._compiled[key]

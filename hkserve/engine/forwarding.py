@@ -26,6 +26,7 @@ class ForwardsQueries:
     positions = _query(lambda e: e.positions)  # [B], mutated in place by the wrappers
     kv_layout = _query(lambda e: e.kv_layout)
     kv_pool = _query(lambda e: e.kv_pool)
+    step_tokens = _query(lambda e: e.step_tokens)
 
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         self.inner.check_fits(prompt_len, max_tokens)

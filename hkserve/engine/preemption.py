@@ -38,11 +38,15 @@ class Preemption:
             pool.reserve(row.slot, row.tokens)
 
     def _step_rows(self) -> list[Row]:
-        """Each running request's row: its memory once this pass's step is written (a full slot does
-        not step: it ends)."""
-        max_len = self.engine.max_len
+        """Each running request's row: its memory once this pass's step is written, at most (a full slot
+        does not step: it ends). A speculating engine's step may write `step_tokens` positions from its
+        host position, an upper bound while a verify step is in flight (the runner's `length` counts one
+        token per step)."""
+        e = self.engine
         return [
-            Row(i, s.stream.order, s.length + (s.length < max_len)) for i, s in enumerate(self._slots) if s is not None
+            Row(i, s.stream.order, min(max(s.length, int(e.positions[i])) + e.step_tokens, e.max_len))
+            for i, s in enumerate(self._slots)
+            if s is not None
         ]
 
     def _idle_by_age(self) -> list[int]:

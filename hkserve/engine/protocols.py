@@ -49,6 +49,7 @@ class ServingEngine(Protocol):
     vocab_size: int  # the model's vocabulary: the width of logits and of grammar masks ([B, ceil(V/32)])
     prefix_cache: str  # prefix_cache.MODES: how the runner places prompts into slots
     prefill_chunk: int | None  # the fixed prefill chunk of prefix_cache "exact" (the reuse granule), else None
+    step_tokens: int  # positions one step may write per row: 1, or k+1 for a speculating engine
     supports_grammars: bool  # whether step_forward / step_sample and a first-token bitmask are honoured
     positions: np.ndarray  # [B] host mirror of each slot's position
     kv_layout: str  # "static" | "paged" (kv_layout.py)

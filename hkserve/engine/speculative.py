@@ -5,6 +5,8 @@
 step's row may carry several tokens. It keeps each slot's tokens on the device (the context the
 lookup searches) and decides per step, with SpecPolicy, whether to verify or to take the Engine's
 own plain step. KV memory only: a Transformer-VQ memory cannot take back rejected positions.
+Under the paged layout a verify step's rows get blocks for all their k+1 positions before it is
+dispatched (`_grow_drafts`); the runner counts them in its block promises (`step_tokens`).
 
 The host mirror of each slot's position (`engine.positions`, which picks the attention window) is
 an upper bound while a verify step is in flight and exact again once its output is read.
@@ -92,8 +94,6 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
     def __init__(self, engine: Engine, config: SpecConfig | None = None):
         if engine.model.config.memory != "kv":
             raise ValueError("speculative decoding needs a KV memory (a VQ memory cannot drop rejected tokens)")
-        if engine.kv_layout == "paged":
-            raise ValueError("speculative decoding runs on the static KV layout for now (use --kv-layout static)")
         self.inner: Engine = engine  # its queries (slots, max_len, positions, ...) are forwarded: ForwardsQueries
         self.config = config or SpecConfig()
         self.policy = SpecPolicy(self.config, engine.slots)
@@ -106,6 +106,11 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
         self._context_sharding = NamedSharding(engine.mesh, P("data", None))
         self._compiled: dict = {}
         self._new_context()
+
+    @property
+    def step_tokens(self) -> int:
+        """Positions one step may write per row: a verify step's input token and k drafts."""
+        return self.config.k + 1
 
     @property
     def counts(self) -> SpecCounts:
@@ -210,6 +215,7 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
             grow, drafting = active.astype(np.int64), np.zeros_like(active)
         else:
             needed = int(e.positions[active].max())
+            self._grow_drafts(active, drafting)
             e.state, self.context, packed = self._fn("verify", e._window(max(needed, 1)))(
                 e.params, e.state, self.context, active, drafting
             )
@@ -222,6 +228,19 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
             e.positions += grow
         np.minimum(e.positions, top, out=e.positions)
         return pending
+
+    def _grow_drafts(self, active: np.ndarray, drafting: np.ndarray) -> None:
+        """Paged: each active row holds blocks for every position the verify step may write (its input
+        token and k drafts, from its position's upper bound), before it is dispatched. Rejected drafts'
+        blocks stay the slot's, for the tokens it writes next, until its memory is truncated or dropped.
+        The runner promised them (Row.tokens counts `step_tokens`), so the shard has them free."""
+        e = self.inner
+        if e.kv_pool is None:
+            return
+        for slot in np.flatnonzero(active):
+            reach = int(e.positions[slot]) + 1 + self.config.k * bool(drafting[slot])
+            e.kv_pool.grow(int(slot), min(reach, e.max_len))
+        e.sync_table()
 
     def _settle(self, seq: int, slot: int, flight: _Flight, step: int, drafted: int, emitted: int) -> None:
         """A verify step's exact outcome for one slot: its position and the policy's evidence."""

@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from hkserve.engine.block_pool import PoolExhausted
 from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.prefill_job import OneShotPrefill
 from hkserve.engine.prefix_cache import Reuse
@@ -145,12 +146,19 @@ class LeaderEngine(OneShotPrefill, ForwardsQueries):
         self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None, generated=0
     ):
         """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
-        a grammar's first mask. Never `generated`: multi-host serves the static layout, which preempts nothing."""
-        if generated:
-            raise ValueError("multi-host serving does not preempt requests (the paged layout is refused there)")
+        a grammar's first mask; with `generated`: a preempted request resuming (paged layout)."""
         extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
+        extra |= {"generated": int(generated)} if generated else {}
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
-        return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask))
+        return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask), **_generated(generated))
+
+    def release(self, slot: int, keep: bool = False) -> None:
+        """Paged: a slot's blocks go back to the pool on every host, so that the followers' block pools
+        (replaying the same prefills, steps and releases in order) make host 0's decisions: the same
+        block tables, the same blocks shared and freed. The static layout holds nothing to release."""
+        if self.inner.kv_pool is not None:
+            self._leader.broadcast(_call("release", slot=int(slot), keep=bool(keep)))
+        self.inner.release(slot, keep)
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
@@ -220,6 +228,11 @@ def _keywords(reuse=None, bitmask=None) -> dict:
     return {k: v for k, v in (("reuse", reuse), ("bitmask", bitmask)) if v is not None}
 
 
+def _generated(generated: int) -> dict:
+    """The generated keyword, only where a request resumes (an engine call without it is unchanged)."""
+    return {"generated": generated} if generated else {}
+
+
 def follow(engine, follower: Follower) -> int:
     """Replay host 0's engine calls until it says exit (0). Host 0's loss ends the process from the
     channel's reader thread, since this thread may be inside a collective that never completes."""
@@ -228,7 +241,8 @@ def follow(engine, follower: Follower) -> int:
     def prefill(m, op):
         reuse = Reuse(*m["reuse"]) if m.get("reuse") else None
         settings = SamplingParams(**m["settings"])
-        return op(m["slot"], m["ids"], settings, **_keywords(reuse, _unpack_mask(m.get("mask"))))
+        keywords = _keywords(reuse, _unpack_mask(m.get("mask"))) | _generated(m.get("generated", 0))
+        return op(m["slot"], m["ids"], settings, **keywords)
 
     calls = {
         "prefill": lambda m: prefill(m, engine.prefill),
@@ -239,6 +253,7 @@ def follow(engine, follower: Follower) -> int:
             m["slots"], m["ids"], [SamplingParams(**s) for s in m["settings"]]
         ),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
+        "release": lambda m: engine.release(m["slot"], m["keep"]),
         "reset": lambda m: engine.reset(),
         "warmup": lambda m: engine.warmup(),
     }
@@ -251,7 +266,7 @@ def follow(engine, follower: Follower) -> int:
             raise RuntimeError(f"unknown control call {op!r} from host 0 (mismatched hkserve versions?)")
         try:
             calls[op](message)
-        except (ValueError, ContextLengthError):
+        except (ValueError, ContextLengthError, PoolExhausted):
             pass  # host 0 got the same error before any device work, and told its client
     return 0
 
