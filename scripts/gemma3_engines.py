@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from gemma3_real_compare import NEW_TOKENS, Run, positions
 
-from hkserve.checkpoint.convert import convert, store_gguf_int4
+from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -24,16 +24,15 @@ WIDTH = 1024  # one forward width and one prefill bucket for every prompt (the l
 
 
 def hkserve_runs(gguf: Path, cache: Path, prompts: dict[str, str], weights: str) -> dict[str, Run]:
-    """hkserve's float32 expansion of the file, or its int8 / int4 variant (`hkserve pull --weights V`)."""
+    """hkserve's float32 expansion of the file (`convert --weights f32`), or its int8 / int4 variant as
+    `convert --weights V` stores it (the int4 one from the file's own blocks, no float32 master)."""
     store = ModelStore(cache / "home")
-    if not store.exists(NAME):
-        convert(gguf, NAME, store, progress=False)
-    variant = None if weights == "float32" else weights  # int8: made from the master when first asked for
-    if variant == "int4" and not (store.path(NAME) / "int4").exists():
-        store_gguf_int4(gguf, NAME, store, progress=False)
-    config, params = store.config(NAME, variant), store.params(NAME, weights=variant)
+    name = f"{NAME}-{weights}"
+    if not store.exists(name):
+        convert(gguf, name, store, progress=False, weights="f32" if weights == "float32" else weights)
+    config, params = store.config(name), store.params(name)
     model = build_model(config)
-    tokenizer = store.tokenizer(NAME)
+    tokenizer = store.tokenizer(name)
     ids = {k: tokenizer.encode(text) for k, text in prompts.items()}
     opts = EngineOptions(slots=1, max_len=WIDTH + NEW_TOKENS, prefill_buckets=(WIDTH,), prefill_rows=0)
     engine = Engine(model, params, opts)
