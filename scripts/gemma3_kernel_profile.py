@@ -75,8 +75,11 @@ def main() -> None:
     args = ap.parse_args()
     q4ffi.available()
     isas = [i for i in (2, 1) if i <= ffi.cpu_isa()]
-    print(f"| tensor (GGUF types) | K x N | layers | kernel | GGUF MB/token | hkserve MB/token | "
-          + " | ".join(f"{ffi.ISA_NAMES[i]} ms/token" for i in isas) + " |")
+    print(
+        "| tensor (GGUF types) | K x N | layers | kernel | GGUF MB/token | hkserve MB/token | "
+        + " | ".join(f"{ffi.ISA_NAMES[i]} ms/token" for i in isas)
+        + " |"
+    )
     print("|---|---|---|---|---|---|" + "---|" * len(isas))
     totals = defaultdict(float)
     for name, info in sorted(stacks(args.gguf).items(), key=lambda kv: kv[0]):
