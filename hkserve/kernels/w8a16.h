@@ -1,6 +1,7 @@
-// hk_w8a16's products and activation quantization: int8 weights (packed, qmatmul.cc) widened to
-// int16 in registers, times activations quantized per row to int16 in blocks of 128 (absmax / 32767,
-// round half to even); vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2) sums two products per int32 lane.
+// hk_w8a16's products and activation quantization: int8 weights (packed, qmatmul.cc) made int16 in
+// registers (AVX-512: widened; AVX2: each 16-bit word split into its bytes), times activations
+// quantized per row to int16 in blocks of 128 (absmax / 32767, round half to even); vpdpwssd
+// (AVX-512 VNNI) or vpmaddwd (AVX2) sums two products per int32 lane.
 #pragma once
 
 #include <immintrin.h>
