@@ -82,15 +82,23 @@ def test_a_gguf_q4_k_weight_runs_as_imported(isa, kind):
     check(run(x, w, isa, kind), x, w, kind)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_stacked_weight_is_read_at_its_layer_index(kind):
+def check_stack_read_at_each_layer(make, packer, kind: str, alone) -> None:
+    """A 3-layer stack of `make(seed)` weights [100, 70], packed by `packer` and read at each index,
+    equals that layer run alone (`alone(x, w, isa)`) bit for bit: the kernel's layer offset."""
     isa = ISAS[0]
-    layers = [weight(100, 70, seed=s) for s in range(3)]
-    stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack4(*map(jnp.asarray, w)) for w in layers))]
+    layers = [make(s) for s in range(3)]
+    stacked = [jnp.stack(parts) for parts in zip(*(packer(*map(jnp.asarray, w)) for w in layers))]
     x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
     call = jax.jit(lambda x, w, s, m, i: q4ffi.matmul_int4(x, w, s, m, 70, kind, isa, layer=i))
     for i, w in enumerate(layers):
-        assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), run(x, w, isa, kind))
+        assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), alone(x, w, isa))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stacked_weight_is_read_at_its_layer_index(kind):
+    check_stack_read_at_each_layer(
+        lambda s: weight(100, 70, seed=s), pack4.pack4, kind, lambda x, w, isa: run(x, w, isa, kind)
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -18,6 +18,7 @@ from helpers import tiny_config
 from test_int4 import source
 from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2, quantize_rows
+from test_q4_kernels import check_stack_read_at_each_layer
 
 from hkserve.checkpoint.gguf_quant import grouped8
 from hkserve.checkpoint.quantize import convert_params
@@ -80,13 +81,7 @@ def test_gguf_weights_run_as_imported(isa, qtype):
 
 
 def test_a_stacked_weight_is_read_at_its_layer_index():
-    isa = ISAS[0]
-    layers = [weight(100, 70, seed=s) for s in range(3)]
-    stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack8(*map(jnp.asarray, w)) for w in layers))]
-    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
-    call = jax.jit(lambda x, w, s, m, i: q4ffi.matmul_int4(x, w, s, m, 70, KIND, isa, layer=i))
-    for i, w in enumerate(layers):
-        assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), run(x, w, isa))
+    check_stack_read_at_each_layer(lambda s: weight(100, 70, seed=s), pack4.pack8, KIND, run)
 
 
 @pytest.mark.parametrize("isa", ISAS)

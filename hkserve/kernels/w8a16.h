@@ -1,6 +1,7 @@
-// hk_w8a16's products and activation quantization: int8 weights (packed, qmatmul.cc) widened to
-// int16 in registers, times activations quantized per row to int16 in blocks of 128 (absmax / 32767,
-// round half to even); vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2) sums two products per int32 lane.
+// hk_w8a16's products and activation quantization: int8 weights (packed, qmatmul.cc) made int16 in
+// registers (AVX-512: widened; AVX2: each 16-bit word split into its bytes), times activations
+// quantized per row to int16 in blocks of 128 (absmax / 32767, round half to even); vpdpwssd
+// (AVX-512 VNNI) or vpmaddwd (AVX2) sums two products per int32 lane.
 #pragma once
 
 #include <immintrin.h>
@@ -69,43 +70,58 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void a16_rows_512(const P
   }
 }
 
-// As a16_rows_512 with 256-bit vectors: each 256-byte weight row read in order, 16 lines of 4 columns x
-// 4 inputs widened to 16 bits, vpmaddwd + vpaddd for vpdpwssd; the integer sums stay in registers
-// where they fit (the compiler keeps the rest in L1). Walking the tile a 16-column quarter a pass
-// instead (what 16 registers hold) was ~2x slower at batch 1 (kernels/README.md).
+// Row `row`'s int16 inputs 4g..4g+3 as the two 32-bit pairs (x0, x2) and (x1, x3): what the low and
+// the high bytes of a weight lane's 16-bit words meet (a16_rows_avx2).
+inline void pairs16(const Problem& p, int64_t row, int64_t g, int32_t* even, int32_t* odd) {
+  uint16_t x[4];
+  std::memcpy(x, p.x16 + row * p.kp + g * 4, 8);
+  *even = static_cast<int32_t>(x[0] | static_cast<uint32_t>(x[2]) << 16);
+  *odd = static_cast<int32_t>(x[1] | static_cast<uint32_t>(x[3]) << 16);
+}
+
+// As a16_rows_512 with 256-bit vectors, each 256-byte weight row read in order as 8 lines of 8 columns
+// x 4 inputs. No widening shuffle: a lane's 16-bit words hold inputs (4g, 4g+1) and (4g+2, 4g+3) of one
+// column, so `w & 255` and `w >> 8` are the int16 weights of inputs (4g, 4g+2) and (4g+1, 4g+3), which
+// vpmaddwd multiplies by those pairs of the row's activations (pairs16): an int32 lane is one column's
+// sum (over a block: 128 * 255 * 32767 < 2^31, exact). vpmovzxbw runs on one port of Zen's and was the
+// bound of the widening loop (kernels/README.md). The integer sums stay in registers where they fit.
 template <int R>
 __attribute__((target("avx2,fma"))) void a16_rows_avx2(const Problem& p, int64_t t, int64_t r0, float (*acc)[NT]) {
   const uint8_t* wt = p.w + t * p.kp * NT;
   const int64_t nb = blocks16(p.kp);
-  alignas(32) float f[R][16][8] = {};
+  const __m256i low = _mm256_set1_epi16(0xFF);
+  alignas(32) float f[R][8][8] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i a[R][16];
+    __m256i a[R][8];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 16; ++i) a[r][i] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) a[r][i] = _mm256_setzero_si256();
     for (int64_t g = b * (QK16 / 4), end = std::min(p.kp, (b + 1) * QK16) / 4; g < end; ++g) {
       const uint8_t* q = wt + g * 256;
       prefetch_256(q);
-      __m256i xb[R];
+      __m256i xe[R], xo[R];
       for (int r = 0; r < R; ++r) {
-        int64_t x4;
-        std::memcpy(&x4, p.x16 + (r0 + r) * p.kp + g * 4, 8);
-        xb[r] = _mm256_set1_epi64x(x4);
+        int32_t even, odd;
+        pairs16(p, r0 + r, g, &even, &odd);
+        xe[r] = _mm256_set1_epi32(even), xo[r] = _mm256_set1_epi32(odd);
       }
-      for (int i = 0; i < 16; ++i) {
-        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
-        for (int r = 0; r < R; ++r) a[r][i] = _mm256_add_epi32(a[r][i], _mm256_madd_epi16(w, xb[r]));
+      for (int i = 0; i < 8; ++i) {  // columns 8i..8i+7
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+        __m256i we = _mm256_and_si256(v, low), wo = _mm256_srli_epi16(v, 8);
+        for (int r = 0; r < R; ++r)
+          a[r][i] = _mm256_add_epi32(a[r][i], _mm256_add_epi32(_mm256_madd_epi16(we, xe[r]), _mm256_madd_epi16(wo, xo[r])));
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m256i cv = _mm256_set1_epi64x(offsets(p, r0 + r, nb, b));
+      const int32_t* c = p.c16 + ((r0 + r) * nb + b) * 2;
+      __m256i cv = _mm256_set1_epi32(c[0] + c[1]);
       __m256 dv = _mm256_set1_ps(p.d16[(r0 + r) * nb + b]);
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < 8; ++i) {
         __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][i], cv));
         _mm256_store_ps(f[r][i], _mm256_fmadd_ps(s, dv, _mm256_load_ps(f[r][i])));
       }
     }
   }
-  for (int r = 0; r < R; ++r) sum_lane_pairs(&f[r][0][0], acc[r], NT);
+  for (int r = 0; r < R; ++r) std::memcpy(acc[r], &f[r][0][0], NT * sizeof(float));
 }
 
 // Rows → int16 blocks of 128 (zero past k): q = round-half-even(x * (32767 / absmax)), the scale

@@ -1,0 +1,109 @@
+"""Kernel-only time per token of Gemma 3 270M Q4_K_M's matrix products at batch 1, per tensor kind, on one
+thread, both ISA paths: the int4 stack (attn_output), each 8-bit group stack and the tied head (int8 per
+row, hk_w8a16), beside the bytes hkserve reads per token and the GGUF's own bytes for the same tensors.
+
+Shapes and GGUF types come from the file; the weights are random values of the same packed formats (a
+kernel's time does not depend on them). The machine is shared, so each figure is the minimum of many
+calls. Usage: python scripts/gemma3_kernel_profile.py [GGUF] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections import defaultdict
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkserve.kernels import ffi, pack, pack4, q4ffi
+from hkserve.model.int4 import quantize_int4, quantize_int8_groups
+
+DEFAULT = "/root/.cache/hkserve-gemma3-270m/gemma-3-270m-q4_k_m.gguf"
+INT4 = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
+
+
+def stacks(path: str) -> dict[str, dict]:
+    """GGUF stack name → {shape (in, out), layers, gguf bytes, types} of the 2-D tensors."""
+    out: dict[str, dict] = defaultdict(lambda: {"layers": 0, "gguf_bytes": 0, "types": set()})
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) != 2:
+            continue
+        s = out[re.sub(r"^blk\.\d+\.", "", t.name)]
+        s["shape"] = (int(t.shape[0]), int(t.shape[1]))  # GGUF dims: (in, out)
+        s["layers"] += 1
+        s["gguf_bytes"] += int(t.n_bytes)
+        s["types"].add(t.tensor_type)
+    return dict(out)
+
+
+def timed(fn, args, repeats: int) -> float:
+    """Minimum seconds of one call over `repeats` calls (after a warm-up)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def operands(name: str, info: dict) -> tuple[str, tuple, int]:
+    """(kernel, packed operands, bytes read per call) of one stack's layer (or the head)."""
+    k, n = info["shape"]
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32) * 0.05
+    if name == "token_embd.weight":  # the tied head [K=640, N=V]: int8 per row
+        q = np.random.default_rng(1).integers(-127, 128, (n, k), dtype=np.int8)
+        packed = pack.pack(jnp.asarray(q.T))
+        return "w8a16", (packed, jnp.ones(n, jnp.float32)), packed.size + 4 * n
+    if info["types"] <= INT4:
+        parts = pack4.pack4(*map(jnp.asarray, quantize_int4(w)))
+        kind = "w4a16"
+    else:
+        parts = pack4.pack8(*map(jnp.asarray, quantize_int8_groups(w)))
+        kind = q4ffi.EIGHT_BIT
+    return kind, parts, sum(int(p.size * p.dtype.itemsize) for p in parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("gguf", nargs="?", default=DEFAULT)
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args()
+    q4ffi.available()
+    isas = [i for i in (2, 1) if i <= ffi.cpu_isa()]
+    print(
+        "| tensor (GGUF types) | K x N | layers | kernel | GGUF MB/token | hkserve MB/token | "
+        + " | ".join(f"{ffi.ISA_NAMES[i]} ms/token" for i in isas)
+        + " |"
+    )
+    print("|---|---|---|---|---|---|" + "---|" * len(isas))
+    totals = defaultdict(float)
+    for name, info in sorted(stacks(args.gguf).items(), key=lambda kv: kv[0]):
+        kind, parts, nbytes = operands(name, info)
+        k, n = info["shape"]
+        x = jnp.asarray(np.random.default_rng(2).standard_normal((1, k)).astype(np.float32))
+        times = []
+        for isa in isas:
+            if kind == "w8a16":
+                fn = jax.jit(lambda x, w, s, isa=isa: ffi.matmul(x, w, s, "w8a16", isa, threads=1))
+            else:
+                fn = jax.jit(lambda x, w, s, m, isa=isa, kind=kind, n=n: q4ffi.matmul_int4(x, w, s, m, n, kind, isa, 1))
+            sec = timed(fn, (x, *parts), args.repeats) * info["layers"]
+            times.append(sec * 1e3)
+            totals[isa] += sec * 1e3
+        hk_mb, gguf_mb = nbytes * info["layers"] / 1e6, info["gguf_bytes"] / 1e6
+        totals["hk"] += hk_mb
+        totals["gguf"] += gguf_mb
+        types = "/".join(sorted(t.name for t in info["types"]))
+        cells = " | ".join(f"{t:.3f}" for t in times)
+        print(f"| {name} ({types}) | {k} x {n} | {info['layers']} | {kind} | {gguf_mb:.1f} | {hk_mb:.1f} | {cells} |")
+    cells = " | ".join(f"{totals[i]:.3f}" for i in isas)
+    print(f"| total | | | | {totals['gguf']:.1f} | {totals['hk']:.1f} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
