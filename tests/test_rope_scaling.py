@@ -58,21 +58,31 @@ def test_gemma3_scaling_on_full_layers_only_is_refused():
         config_from_hf({**cfg, "rope_parameters": params})
 
 
-def _llama_gguf(path: Path, scaling: str, factor: float) -> Path:
-    """A llama GGUF of metadata only, with llama.cpp's converter's rope.scaling keys."""
-    w = gguf.GGUFWriter(str(path), "llama")
+def _gguf(path: Path, arch: str, keys: dict, tensors: dict | None = None) -> Path:
+    """A GGUF of metadata ({key after "arch.": value}, a 64-position context) and perhaps some 1-D tensors."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_embedding_length(64)
     w.add_feed_forward_length(128)
     w.add_head_count(4)
     w.add_vocab_size(256)
-    w.add_rope_scaling_type(gguf.RopeScalingType(scaling))
-    w.add_rope_scaling_factor(factor)
-    w.add_rope_scaling_orig_ctx_len(512)
+    w.add_context_length(64)
+    add = {float: w.add_float32, int: w.add_uint32, str: w.add_string}
+    for key, value in keys.items():
+        add[type(value)](f"{arch}.{key}", value)
+    for name, values in (tensors or {}).items():
+        w.add_tensor(name, np.asarray(values, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
+    w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama_gguf(path: Path, scaling: str, factor: float) -> Path:
+    """A llama GGUF of metadata only, with llama.cpp's converter's rope.scaling keys."""
+    keys = {"rope.scaling.type": scaling, "rope.scaling.factor": factor, "rope.scaling.original_context_length": 512}
+    return _gguf(path, "llama", keys)
 
 
 def test_gguf_linear_and_yarn_scaling_import(tmp_path):
@@ -87,21 +97,7 @@ def test_gguf_linear_and_yarn_scaling_import(tmp_path):
 
 def _phi3_longrope_gguf(path: Path, keys: dict, tensors: dict) -> Path:
     """A phi3 GGUF of metadata only plus LongRoPE's factor tensors, as llama.cpp's converter writes them."""
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(2)
-    w.add_embedding_length(32)
-    w.add_feed_forward_length(64)
-    w.add_head_count(2)
-    w.add_context_length(64)
-    for key, value in keys.items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"phi3.{key}", value)
-    for name, values in tensors.items():
-        w.add_tensor(name, np.asarray(values, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _gguf(path, "phi3", keys, tensors)
 
 
 LONG, SHORT = [1.0, 2, 4, 8, 8, 8, 8, 8], [1.0, 1.5, 2, 2, 3, 3, 4, 4]
