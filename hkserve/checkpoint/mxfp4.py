@@ -41,9 +41,10 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     if (scales == 255).any():  # E8M0's NaN
         raise ImportFormatError("MXFP4 scale 255 (not a number) in a checkpoint")
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., G, 16, 2]: the low nibble first
-    values = E2M1[codes].reshape(*scales.shape, GROUP)  # [..., G, 32]
+    values = E2M1[codes].reshape(*scales.shape, GROUP)  # [..., G, 32] float32
     exponents = scales.astype(np.int32)[..., None] - SCALE_BIAS  # [..., G, 1]
-    return np.ldexp(values, exponents).astype(np.float32).reshape(*scales.shape[:-1], -1)
+    np.ldexp(values, exponents, out=values)  # in place: one float copy of a layer's experts at a time
+    return values.reshape(*scales.shape[:-1], -1)
 
 
 def check_quantization_config(family: str, quantization: dict | None, mxfp4_family: bool) -> None:
