@@ -1,10 +1,10 @@
 """Remake tests/fixtures/gguf/*: llama.cpp's own converter (`convert_hf_to_gguf.py --outtype f32`) run on
 the HF fixtures of tests/fixtures/hf that llama.cpp has an architecture for (Qwen2-MoE, Qwen3-MoE,
-Granite, OLMo 2, SmolLM3; linear and yarn RoPE scaling as llama). The weights are the HF fixture's, so a correct
-GGUF import reproduces that fixture's reference.json, except where the converter drops what transformers
-reads (SmolLM3's no_rope_layers: llama.cpp fixes every 4th layer, so tiny-smollm3's 2nd-layer pattern is lost;
-VARIANTS adds a 4-layer one where both agree). scripts/record_llama_logits.py then records llama.cpp's own
-logits beside each file.
+Granite, OLMo 2, SmolLM3; linear and yarn RoPE scaling as llama, longrope as phi3 with its factor tensors).
+The weights are the HF fixture's, so a correct GGUF import reproduces that fixture's reference.json, except
+where the converter drops what transformers reads (SmolLM3's no_rope_layers: llama.cpp fixes every 4th layer,
+so tiny-smollm3's 2nd-layer pattern is lost; VARIANTS adds a 4-layer one where both agree).
+scripts/record_llama_logits.py then records llama.cpp's own logits beside each file.
 
 The converter is the one vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, as ../shared/fixtures/gguf):
 

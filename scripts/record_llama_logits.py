@@ -4,7 +4,8 @@ import is compared to, as ../shared/fixtures/gguf's files are for the older fami
 
 llama-cpp-python 0.3.36 (the llama.cpp whose converter wrote the files), `logits_all`, no BOS, each row of
 the HF fixture's `input_ids` evaluated from an empty cache, float32 KV cache (so what is left is llama.cpp's
-arithmetic, not f16 rounding of the cache):
+arithmetic, not f16 rounding of the cache). llama.cpp pads its context to 256, past tiny-rope-longrope's original
+16: it takes the long factors there (transformers' reference.json, 13 tokens, the short ones):
 
     .venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python scripts/record_llama_logits.py [NAME...]

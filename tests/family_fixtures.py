@@ -53,6 +53,7 @@ LOCAL_GGUF = [
     "tiny-rope-linear",
     "tiny-rope-yarn",
     "tiny-smollm3-4",
+    "tiny-rope-longrope",
 ]
 # those of LOCAL_GGUF with no HF fixture: their transformers reference.json lies beside the GGUF file
 GGUF_VARIANTS = ["tiny-smollm3-4"]

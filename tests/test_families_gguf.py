@@ -1,7 +1,7 @@
 """Every GGUF fixture (llama.cpp's own converter output for each family; Qwen-MoE, Granite, OLMo 2, SmolLM3,
-linear and yarn RoPE from tests/fixtures/gguf) through `convert` into a store: logits equal transformers' for the
-same weights and llama.cpp's own for the same file, the q8_0 file is near llama.cpp's, and greedy text
-generation runs with the GGUF's tokenizer."""
+linear, yarn and longrope RoPE from tests/fixtures/gguf) through `convert` into a store: logits equal
+transformers' for the same weights and llama.cpp's own for the same file, the q8_0 file is near llama.cpp's,
+and greedy text generation runs with the GGUF's tokenizer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from family_fixtures import GGUF, GGUF_VARIANTS, LOCAL_GGUF, fixture, full_logit
 
 from hkserve.checkpoint.convert import convert
 from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_import import load_gguf
 from hkserve.checkpoint.gguf_reader import open_gguf
+from hkserve.checkpoint.hf import load_hf
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
@@ -30,6 +32,7 @@ SPECIALS = {
     "tiny-gemma2": (2, 1),
     "tiny-gemma3": (2, 1),
     "tiny-phi3": (1, None),
+    "tiny-rope-longrope": (1, None),
     "tiny-qwen2": (None, None),
     "tiny-qwen3": (None, None),
     "tiny-qwen2-moe": (None, None),
@@ -56,6 +59,8 @@ def gguf_case(name: str) -> tuple[Path, list[tuple[str, dict, float]]]:
         llama_cpp = ("llama.cpp", json.loads(local_gguf(name, "reference_llamacpp.json").read_text()), 1e-4)
         if name == "tiny-smollm3":  # no_rope_layers [1, 0] is lost: llama.cpp fixes RoPE off on every 4th layer
             return local_gguf(name), [llama_cpp]
+        if name == "tiny-rope-longrope":  # the file's context (64) > original (16): long factors, as llama.cpp's;
+            return local_gguf(name), [llama_cpp]  # transformers' are the short ones at 13 tokens (test below)
         hf = local_gguf(name, "reference.json") if name in GGUF_VARIANTS else local_fixture(name) / "reference.json"
         transformers = ("transformers", json.loads(hf.read_text()), 1e-4)
         return local_gguf(name), [transformers, llama_cpp]
@@ -197,3 +202,19 @@ def test_yarn_gguf_keys_whose_meaning_is_unchecked_are_refused(tmp_path):
         config_from_gguf(open_gguf(_dense_gguf(tmp_path / "c.gguf", "llama", 2, no_context)))
     with pytest.raises(ImportFormatError, match="longrope"):
         config_from_gguf(open_gguf(_dense_gguf(tmp_path / "l.gguf", "llama", 2, {"rope.scaling.type": "longrope"})))
+
+
+def test_longrope_gguf_served_within_the_original_context_is_the_hf_import():
+    """Served at its original context (16), the longrope GGUF takes the short factors and the file's cos/sin
+    factor: the HF import of the same checkpoint, so transformers' logits (its 13 tokens are within 16)."""
+    name = "tiny-rope-longrope"
+    config, params, _ = load_gguf(local_gguf(name), context_length=16)
+    hf_config, hf_params = load_hf(local_fixture(name))
+    assert config.context_length == hf_config.context_length == 16
+    np.testing.assert_allclose(config.rope_freq_factors, hf_config.rope_freq_factors, rtol=1e-7)
+    assert config.rope_attn_factor == pytest.approx(hf_config.rope_attn_factor, rel=1e-7)
+    ref = json.loads((local_fixture(name) / "reference.json").read_text())
+    ours = full_logits(build_model(config), params, ref["input_ids"], pad_to=32)
+    hf = full_logits(build_model(hf_config), hf_params, ref["input_ids"], pad_to=32)
+    np.testing.assert_allclose(ours, hf, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours, np.asarray(ref["logits"]), atol=1e-4, rtol=0)

@@ -3,8 +3,8 @@ and Mixtral come as llama, which llama.cpp writes them as).
 
 What llama.cpp fixes per architecture rather than storing (Gemma's sliding-layer pattern, embedding
 scale and attention scale, SmolLM3's layers without RoPE) is filled in from the family's record, as
-llama.cpp does; metadata asking for what the decoder does not implement (RoPE scaling types but linear and yarn,
-partial rotary dims, Granite's multipliers in another family) is refused.
+llama.cpp does; metadata asking for what the decoder does not implement (RoPE scaling types but linear, yarn
+and longrope, partial rotary dims, Granite's multipliers in another family) is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hkserve.checkpoint.families import gguf_family
 from hkserve.checkpoint.family import Family
 from hkserve.checkpoint.gguf_reader import dequantize, field
 from hkserve.checkpoint.params import ImportFormatError
-from hkserve.checkpoint.rope_scaling import RopeScaling, rope_scaling
+from hkserve.checkpoint.rope_scaling import RopeScaling, longrope, rope_scaling
 from hkserve.checkpoint.rope_windows import sliding_by_pattern
 from hkserve.model.config import ModelConfig
 
@@ -105,24 +105,61 @@ def _yarn(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> Ro
     return rope_scaling("yarn", rope, head_dim, theta, 0)
 
 
-def _rope(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict:
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # [Dh/2] each, read into the config
+
+
+def _factor_tensor(reader: gguf.GGUFReader, name: str) -> tuple[float, ...]:
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    return () if tensor is None else tuple(float(x) for x in np.ravel(dequantize(tensor)))
+
+
+def _longrope(reader: gguf.GGUFReader, arch: str, head_dim: int, context: int) -> RopeScaling:
+    """LongRoPE as llama.cpp's converter writes it (Phi-3.5, Phi-4-mini): both factor sets as tensors, the
+    original context and the cos/sin factor as keys; which set applies follows from the context served."""
+    long, short = (_factor_tensor(reader, name) for name in LONGROPE_TENSORS)
+    if not long or not short:
+        raise ImportFormatError(f"{arch}: RoPE scaling longrope needs both tensors {' and '.join(LONGROPE_TENSORS)}")
+    if len(long) != head_dim // 2 or len(short) != head_dim // 2:
+        raise ImportFormatError(f"{arch}: longrope factor tensors of {len(long)}/{len(short)}, not head_dim/2 entries")
+    key = f"{arch}.rope.scaling."
+    original, attn = field(reader, key + "original_context_length"), field(reader, key + "attn_factor")
+    for name, value in (("original_context_length", original), ("attn_factor", attn)):
+        if value is None:
+            raise ImportFormatError(f"GGUF metadata lacks {key}{name} (longrope)")
+    return longrope(short, long, float(attn), int(original), context)
+
+
+def _rope(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float, context: int) -> dict:
     """Llama 3's frequency factors, which llama.cpp stores as the tensor rope_freqs.weight, linear
-    scaling's one factor (llama.cpp divides every frequency by it) or YaRN's; the other types
-    (longrope, whose factors llama.cpp keeps as tensors) stay refused until checked against llama.cpp."""
-    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    factors = () if tensor is None else tuple(float(x) for x in np.ravel(dequantize(tensor)))
+    scaling's one factor (llama.cpp divides every frequency by it), YaRN's, or LongRoPE's (its two
+    factor tensors; rope.scaling.type is not written for phi3)."""
+    factors = _factor_tensor(reader, "rope_freqs.weight")
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    has_longrope = any(t.name in LONGROPE_TENSORS for t in reader.tensors)
+    attn = field(reader, f"{arch}.rope.scaling.attn_factor")
+    if (has_longrope or scaling == "longrope") and not factors:
+        chosen = _longrope(reader, arch, head_dim, context)
+        capped = min(context, chosen.max_positions or context)
+        return {
+            "rope_freq_factors": chosen.freq_factors,
+            "rope_attn_factor": chosen.attn_factor,
+            "context_length": capped,
+        }
+    if attn is not None and float(attn) != 1.0:  # llama.cpp multiplies cos/sin by it whatever the type
+        raise ImportFormatError(f"{arch}: rope.scaling.attn_factor {attn} outside longrope is not supported")
     if scaling == "linear" and not factors:
         factors = (float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),) * (head_dim // 2)
     elif scaling == "yarn" and not factors:
         yarn = _yarn(reader, arch, head_dim, theta)
-        return {"rope_freq_factors": yarn.freq_factors, "rope_attn_factor": yarn.attn_factor}
+        return {"rope_freq_factors": yarn.freq_factors, "rope_attn_factor": yarn.attn_factor, "context_length": context}
     elif scaling not in ("none", None):
-        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported (supported in GGUF: linear, yarn)")
-    return {"rope_freq_factors": factors}
+        supported = "linear, yarn, longrope"
+        raise ImportFormatError(f"{arch}: RoPE scaling {scaling!r} is not supported (supported in GGUF: {supported})")
+    return {"rope_freq_factors": factors, "context_length": context}
 
 
-def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
+def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32", context_length: int = 0) -> ModelConfig:
+    """`context_length`: the context to serve (0 = the file's; never more): LongRoPE's factors depend on it."""
     arch = field(reader, "general.architecture", "unknown")
     family = gguf_family(arch)
 
@@ -143,7 +180,8 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
     names = {t.name for t in reader.tensors}
     theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
     options = {**family.options, **_sliding(reader, family, arch, n_layers), **_multipliers(reader, family, arch)}
-    options.update(_rope(reader, arch, head_dim, theta))
+    trained = int(field(reader, f"{arch}.context_length", 2048))
+    options.update(_rope(reader, arch, head_dim, theta, min(context_length or trained, trained)))
     options.update(_no_rope_layers(family, n_layers))
     if family.soft_caps:
         options.update(_soft_caps(reader, family, arch, (dim, heads, head_dim, n_layers)))
@@ -165,7 +203,6 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
         rope_theta=theta,
         norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=family.gguf.lm_head not in names,
-        context_length=int(field(reader, f"{arch}.context_length", 2048)),
         n_experts=int(field(reader, f"{arch}.expert_count", 0) or 0),
         n_experts_per_token=int(field(reader, f"{arch}.expert_used_count", 2) or 2),
         shared_expert_dim=shared,

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hkserve.checkpoint.families import gguf_family
-from hkserve.checkpoint.gguf_config import config_from_gguf
+from hkserve.checkpoint.gguf_config import LONGROPE_TENSORS, config_from_gguf
 from hkserve.checkpoint.gguf_reader import dequantize, field, open_gguf
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
 from hkserve.checkpoint.tensor_map import neutral_tensors
@@ -28,7 +28,7 @@ class _Tensors:
     def __init__(self, reader: gguf.GGUFReader, decode=dequantize):
         self._by_name = {t.name: t for t in reader.tensors}
         self.decode = decode  # reader tensor → array (gguf_int4.py: linear weights as int4 groups)
-        self.unread = set(self._by_name) - {"rope_freqs.weight"}  # that one is read into the config
+        self.unread = set(self._by_name) - {"rope_freqs.weight", *LONGROPE_TENSORS}  # read into the config
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._by_name:
@@ -38,11 +38,12 @@ class _Tensors:
 
 
 def load_gguf(
-    path: str | Path, dtype: str = "float32", progress: bool = False
+    path: str | Path, dtype: str = "float32", progress: bool = False, context_length: int = 0
 ) -> tuple[ModelConfig, dict, gguf.GGUFReader]:
-    """→ (ModelConfig, Haiku params as numpy, the open reader for the tokenizer)."""
+    """→ (ModelConfig, Haiku params as numpy, the open reader for the tokenizer); `context_length` as
+    config_from_gguf takes it."""
     reader = open_gguf(path)
-    config = config_from_gguf(reader, dtype)
+    config = config_from_gguf(reader, dtype, context_length)
     arch = field(reader, "general.architecture")
     t = _Tensors(reader)
     layers = tqdm(range(config.n_layers), desc="dequantize", unit="layer", disable=not progress)

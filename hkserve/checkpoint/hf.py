@@ -1,9 +1,9 @@
 """Import a Hugging Face checkpoint directory (config.json + safetensors, one file or sharded) of any
 family with HF names in families.py (hf_config.py reads the config, tensor_map.py maps the tensors).
 
-Tensors are read layer by layer from their byte ranges (safetensors_dir.py); a tensor the checkpoint
-holds but the mapping does not use is an error, so an unsupported weight (an o_proj bias, say) is never
-silently dropped.
+Tensors are read layer by layer from their byte ranges (safetensors_dir.py), gpt-oss's MXFP4 experts
+expanded exactly (mxfp4.py); a tensor the checkpoint holds but the mapping does not use is an error, so an
+unsupported weight (an o_proj bias, say) is never silently dropped.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from hkserve.checkpoint.hf_config import config_from_hf, family_of
+from hkserve.checkpoint.mxfp4 import Mxfp4Tensors
 from hkserve.checkpoint.params import ImportFormatError, assemble_params
 from hkserve.checkpoint.safetensors_dir import SafetensorsDir
 from hkserve.checkpoint.tensor_map import neutral_tensors
@@ -31,7 +32,8 @@ def load_hf(directory: str | Path, dtype: str = "float32") -> tuple[ModelConfig,
     config = config_from_hf(raw, dtype)
     family = family_of(raw)
     t = SafetensorsDir(directory)
-    params = assemble_params(config, neutral_tensors(t, family.hf, config, range(config.n_layers)))
+    source = Mxfp4Tensors(t) if raw.get("quantization_config") else t  # config_from_hf checked it is MXFP4
+    params = assemble_params(config, neutral_tensors(source, family.hf, config, range(config.n_layers)))
     if config.tie_embeddings:
         t.unread.discard(family.hf.lm_head)  # a tied model's saved copy of the embeddings: transformers ties it too
     left = sorted(n for n in t.unread if not n.endswith(_IGNORED_SUFFIXES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hkserve.checkpoint.families import hf_family
 from hkserve.checkpoint.family import HF_ACTIVATIONS, Family
+from hkserve.checkpoint.mxfp4 import check_quantization_config
 from hkserve.checkpoint.params import ImportFormatError
 from hkserve.checkpoint.rope_scaling import RopeScaling, rope_scaling
 from hkserve.checkpoint.rope_windows import sliding_by_pattern
@@ -193,7 +194,8 @@ def _checked_activation(family: Family, cfg: dict) -> str:
 
 def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
     family = family_of(cfg)
-    unknown = set(cfg) - NEUTRAL - COMMON - family.hf_keys
+    check_quantization_config(family.name, cfg.get("quantization_config"), family.gpt_oss)
+    unknown = set(cfg) - NEUTRAL - COMMON - family.hf_keys - {"quantization_config"}
     if unknown:
         raise _refuse(family.name, f"config field(s) {sorted(unknown)}")
     if (cfg.get("attention_bias") and not family.gpt_oss) or cfg.get("mlp_bias"):

@@ -80,19 +80,30 @@ def _yarn(rope: dict, head_dim: int, theta: float, max_positions: int) -> RopeSc
     return RopeScaling(_divisors(head_dim, theta, inv_freq), float(attn), 0)
 
 
+def longrope(
+    short: tuple[float, ...], long: tuple[float, ...], attn: float, original: int, context: int
+) -> RopeScaling:
+    """LongRoPE's one set of frequencies for a context served: transformers switches every position to
+    the long factors once a forward's sequence passes the original context (keys already cached with the
+    short ones included), llama.cpp once the context it serves does. So a context past the original gets
+    the long factors at every position (llama.cpp's choice), one within it the short ones, capped there."""
+    if context > original:
+        return RopeScaling(long, attn, 0)
+    return RopeScaling(short, attn, original)
+
+
 def _longrope(rope: dict, head_dim: int, max_positions: int, original: int) -> RopeScaling:
-    """LongRoPE (Phi-3.5, Phi-4-mini): transformers switches every position to `long_factor` once a
-    forward's sequence passes the original context, including positions whose keys are already cached
-    with `short_factor`; only up to the original context is that one fixed set of frequencies, so the
-    context served is capped there."""
+    """LongRoPE (Phi-3.5, Phi-4-mini) from config.json: served within the original context (short
+    factors), where transformers' frequencies are fixed whatever the sequence length."""
     factor = rope.get("factor") or max_positions / original
     attn = rope.get("attention_factor")
     if attn is None:
         attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    short = tuple(float(x) for x in rope["short_factor"])
-    if len(short) != head_dim // 2:
-        raise ImportFormatError(f"longrope short_factor has {len(short)} entries, not head_dim/2 = {head_dim // 2}")
-    return RopeScaling(short, float(attn), original)
+    short, long = (tuple(float(x) for x in rope[key]) for key in ("short_factor", "long_factor"))
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if len(factors) != head_dim // 2:
+            raise ImportFormatError(f"longrope {name} has {len(factors)} entries, not head_dim/2 = {head_dim // 2}")
+    return longrope(short, long, float(attn), original, original)
 
 
 def rope_scaling(kind: str, rope: dict, head_dim: int, theta: float, max_positions: int) -> RopeScaling:

@@ -18,6 +18,7 @@ import numpy as np
 from hkserve.checkpoint.params import ImportFormatError
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
+_RAW_DTYPES = {"U8": np.uint8}
 INDEX = "model.safetensors.index.json"
 
 
@@ -55,14 +56,21 @@ class SafetensorsDir:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32."""
+        return self._read(name, _DTYPES).astype(np.float32, copy=False)
+
+    def raw(self, name: str) -> np.ndarray:
+        """An integer tensor as stored (uint8: mxfp4.py's blocks and scales)."""
+        return self._read(name, _RAW_DTYPES)
+
+    def _read(self, name: str, dtypes: dict) -> np.ndarray:
         if name not in self._where:
             raise ImportFormatError(f"missing tensor {name}")
         path, start, entry = self._where[name]
-        dtype = _DTYPES.get(entry["dtype"])
+        dtype = dtypes.get(entry["dtype"])
         if dtype is None:
-            raise ImportFormatError(f"tensor {name} has unsupported dtype {entry['dtype']} (F32, F16, BF16)")
+            raise ImportFormatError(f"tensor {name} has unsupported dtype {entry['dtype']} ({', '.join(dtypes)})")
         begin, end = entry["data_offsets"]
         count = (end - begin) // np.dtype(dtype).itemsize
         data = np.fromfile(path, dtype=dtype, count=count, offset=start + begin)
         self.unread.discard(name)
-        return data.reshape(entry["shape"]).astype(np.float32, copy=False)
+        return data.reshape(entry["shape"])
