@@ -14,38 +14,17 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 from jax import export
-from test_attention_kernel import bf16_rounded
+from test_attention_kernel import bf16_rounded, reference
 from test_paged_attention import paged_copy
 from test_paged_engine import TARGETS, make_runner, run
 
 from hkserve.engine.requests import Request
 from hkserve.model.build import build_model
 from hkserve.model.paged_memory import KERNEL_ENV, decode_kernel, init_paged_memory
-from hkserve.model.paged_pallas import paged_decode_attention
+from hkserve.model.paged_pallas import PagedPast, paged_decode_attention
 from hkserve.model.sampling import SamplingParams
 
 LAYERS, HEADS, DIM, BS, POSITIONS = 2, 2, 16, 16, 64  # 4 blocks of 16 make a full table
-
-
-def reference(q, k_new, v_new, k_mem, v_mem, layer, past_len, window, cap, sinks):
-    """float64: each row's query heads over its visible past (< past_len, within the window), itself,
-    and (sinks [Hkv, G] or None) one more logit per head in the denominator only."""
-    b, h, g, d = q.shape
-    out = np.zeros((b, h, g, d))
-    for i in range(b):
-        n = past_len[i]
-        lo = max(0, n - window + 1) if window > 0 else 0
-        for j in range(h):
-            keys = np.concatenate([k_mem[layer, i, lo:n, j], k_new[i, j][None]]).astype(np.float64)
-            values = np.concatenate([v_mem[layer, i, lo:n, j], v_new[i, j][None]]).astype(np.float64)
-            scores = keys @ q[i, j].astype(np.float64).T  # [S, G]
-            if cap:
-                scores = cap * np.tanh(scores / cap)
-            top = scores.max(0) if sinks is None else np.maximum(scores.max(0), sinks[j])
-            p = np.exp(scores - top)
-            total = p.sum(0) + (0.0 if sinks is None else np.exp(sinks[j] - top))
-            out[i, j] = (p / total).T @ values
-    return out
 
 
 def problem(groups: int, seed: int):
@@ -77,7 +56,14 @@ def test_kernel_equals_float64_reference_over_shuffled_blocks(groups, window, ca
     logits = np.random.default_rng(9).standard_normal((HEADS, groups)).astype(np.float32) if sinks else None
     call = jax.jit(
         lambda layer, t: paged_decode_attention(
-            q, k_new, v_new, k_pool, v_pool, layer, t, PAST, PAST, window, cap, logits, splits=splits, interpret=True
+            q,
+            k_new,
+            v_new,
+            PagedPast(k_pool, v_pool, layer, t, PAST, PAST, window),
+            cap,
+            logits,
+            splits=splits,
+            interpret=True,
         )
     )
     for layer in range(LAYERS):
@@ -93,8 +79,8 @@ def test_kernel_equals_float64_reference_over_shuffled_blocks(groups, window, ca
 def test_bf16_pool_equals_float64_reference_of_the_rounded_pool():
     q, k_new, v_new, k_mem, v_mem, k_pool, v_pool, table = problem(3, seed=4)
     bf16 = (jnp.asarray(k_pool, jnp.bfloat16), jnp.asarray(v_pool, jnp.bfloat16))
-    y = paged_decode_attention(q, k_new, v_new, *bf16, 1, table, PAST, PAST, 0, interpret=True)
-    want = reference(q, k_new, v_new, bf16_rounded(k_mem), bf16_rounded(v_mem), 1, PAST, 0, 0.0, None)
+    y = paged_decode_attention(q, k_new, v_new, PagedPast(*bf16, 1, table, PAST, PAST, 0), interpret=True)
+    want = reference(q, k_new, v_new, bf16_rounded(k_mem), bf16_rounded(v_mem), 1, PAST, 0, 0.0)
     np.testing.assert_allclose(np.asarray(y), want, atol=2e-6, rtol=1e-5)
 
 
@@ -107,7 +93,7 @@ def test_kernel_lowers_to_triton_for_cuda(dtype):
     args = [s((rows, heads, groups, dim), jnp.float32), *[s((rows, heads, dim), jnp.float32)] * 2]
     args += [s(pool, dtype)] * 2 + [s((), jnp.int32), s((rows, 8), jnp.int32), *[s((rows,), jnp.int32)] * 2]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    fn = jax.jit(lambda *a: paged_decode_attention(*a, 7, 30.0, splits=2))
+    fn = jax.jit(lambda q, k, v, *past: paged_decode_attention(q, k, v, PagedPast(*past, 7), 30.0, splits=2))
     text = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
     assert "__gpu$xla.gpu.triton" in text and "hk_paged_decode_attention" in text
 

@@ -145,12 +145,10 @@ def _read_in_place(c: ModelConfig, q, k_new, v_new, held: HeldKV, past_len, q_po
         return ffi.decode_attention(
             q, k_new, v_new, held.k, held.v, held.layer, past_len, window, c.attn_logit_cap, threads, held.table
         )
+    past = paged_pallas.PagedPast(held.k, held.v, held.layer, held.table, past_len, q_pos, window)
+    splits = paged_pallas.default_splits(held.table.shape[1])
     return paged_pallas.paged_decode_attention(
-        *(q, k_new, v_new, held.k, held.v, held.layer, held.table, past_len, q_pos, window),
-        cap=c.attn_logit_cap,
-        sinks=_sinks(c),
-        splits=paged_pallas.default_splits(held.table.shape[1]),
-        interpret=held.kernel == "interpret",
+        q, k_new, v_new, past, c.attn_logit_cap, _sinks(c), splits=splits, interpret=held.kernel == "interpret"
     )
 
 

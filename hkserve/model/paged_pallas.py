@@ -26,6 +26,18 @@ NEG = -1e30  # a masked score: finite, so exp(NEG - m) is 0 and never NaN
 MIN_ROWS = 16  # Triton's dot takes at least 16 rows, columns and inner dims
 
 
+class PagedPast(NamedTuple):
+    """The past a paged decode step reads: one layer of the pools, through the rows' block tables."""
+
+    k: jax.Array  # [L, NB, bs, Hkv, Dh] the pool's keys (rotated)
+    v: jax.Array  # [L, NB, bs, Hkv, Dh]
+    layer: jax.Array  # [] int32: the layer read
+    table: jax.Array  # [B, MB] int32: row b's position p lies in block table[b, p // bs]
+    seen: jax.Array  # [B] int32: the row's keys at positions < seen
+    q_pos: jax.Array  # [B] int32: the new token's position; a window ends there
+    window: jax.Array  # [] int32: the last `window` positions only, 0 = all
+
+
 class PastPartial(NamedTuple):
     """What the kernel returns for the past of each (split, row, KV head, query head)."""
 
@@ -85,25 +97,13 @@ def _kernel(scalars_ref, seen_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, ac
 
 @functools.partial(jax.jit, static_argnames=("cap", "splits", "interpret"))
 def past_partials(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    table: jax.Array,
-    seen: jax.Array,
-    q_pos: jax.Array,
-    layer: jax.Array,
-    window: jax.Array,
-    *,
-    cap: float = 0.0,
-    splits: int = 1,
-    interpret: bool = False,
+    q: jax.Array, past: PagedPast, *, cap: float = 0.0, splits: int = 1, interpret: bool = False
 ) -> PastPartial:
-    """The kernel over the past: q [B, Hkv, Gp, Dh] (Gp a power of two >= 16), pools [L, NB, bs, Hkv, Dh]
-    of which layer `layer` is read, table [B, MB]; keys at positions < seen [B] and (window > 0) within
-    `window` of q_pos [B]. The table's MB blocks are cut into `splits` contiguous shares."""
+    """The kernel over the past: q [B, Hkv, Gp, Dh] (Gp a power of two >= 16). The table's MB blocks are
+    cut into `splits` contiguous shares, one program each."""
     rows, heads, gp, dim = q.shape
-    per = -(-table.shape[1] // splits)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    per = -(-past.table.shape[1] // splits)
+    scalars = jnp.stack([jnp.asarray(past.layer, jnp.int32), jnp.asarray(past.window, jnp.int32)])
     whole = pl.BlockSpec()  # the whole array: scalars, tables and pools are indexed in the kernel
     per_program = pl.BlockSpec((None, None, gp, dim), lambda b, h, s: (b, h, 0, 0))
     out_specs = [
@@ -125,7 +125,7 @@ def past_partials(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="hk_paged_decode_attention",
-    )(scalars, seen.astype(jnp.int32), q_pos.astype(jnp.int32), table.astype(jnp.int32), q, k_pool, v_pool)
+    )(*(scalars, *(jnp.asarray(x, jnp.int32) for x in (past.seen, past.q_pos, past.table))), q, past.k, past.v)
     return PastPartial(*parts)
 
 
@@ -133,29 +133,20 @@ def paged_decode_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    layer: jax.Array,
-    table: jax.Array,
-    seen: jax.Array,
-    q_pos: jax.Array,
-    window: jax.Array,
+    past: PagedPast,
     cap: float = 0.0,
     sinks: jax.Array | None = None,
     *,
     splits: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
-    """Attention of one new token per row: q [B, Hkv, G, Dh] (rotated and scaled), its own k_new/v_new
-    [B, Hkv, Dh], the past in the pools [L, NB, bs, Hkv, Dh] (layer `layer`) through table [B, MB] at
-    positions < seen [B] (within `window` of q_pos [B] if > 0), each score soft-capped by `cap` (> 0),
-    and gpt-oss's sink logits [Hkv, G] in the denominator → [B, Hkv, G, Dh] float32."""
+    """Attention of one new token per row: q [B, Hkv, G, Dh] (rotated and scaled) over its own k_new/v_new
+    [B, Hkv, Dh] and its past, each score soft-capped by `cap` (> 0), with gpt-oss's sink logits [Hkv, G]
+    in the denominator → [B, Hkv, G, Dh] float32."""
     groups = q.shape[2]
     gp = max(MIN_ROWS, 1 << (groups - 1).bit_length())
     padded = jnp.pad(q.astype(F32), ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
-    part = past_partials(
-        padded, k_pool, v_pool, table, seen, q_pos, layer, window, cap=cap, splits=splits, interpret=interpret
-    )
+    part = past_partials(padded, past, cap=cap, splits=splits, interpret=interpret)
     part = PastPartial(*(x[:, :, :, :groups] for x in part))
     own = jnp.einsum("bhgd,bhd->bhg", q.astype(F32), k_new.astype(F32))  # [B, Hkv, G]
     if cap:
