@@ -41,9 +41,9 @@ class PagedPast(NamedTuple):
 class PastPartial(NamedTuple):
     """What the kernel returns for the past of each (split, row, KV head, query head)."""
 
-    acc: jax.Array  # [S, B, Hkv, Gp, Dh] float32: sum over seen keys of exp(score - top) * value
-    top: jax.Array  # [S, B, Hkv, Gp] float32: the largest seen score, NEG where none was seen
-    mass: jax.Array  # [S, B, Hkv, Gp] float32: sum over seen keys of exp(score - top)
+    acc: jax.Array  # [Sp, B, Hkv, Gp, Dh] float32: sum over seen keys of exp(score - top) * value
+    top: jax.Array  # [Sp, B, Hkv, Gp] float32: the largest seen score, NEG where none was seen
+    mass: jax.Array  # [Sp, B, Hkv, Gp] float32: sum over seen keys of exp(score - top)
 
 
 def default_splits(max_blocks: int) -> int:
@@ -155,12 +155,12 @@ def paged_decode_attention(
 
 
 def _combine(part: PastPartial, own: jax.Array, v_new: jax.Array, sinks: jax.Array | None) -> jax.Array:
-    """One softmax over the splits' partials [S, B, Hkv, G], the new token's own score `own` [B, Hkv, G]
+    """One softmax over the splits' partials [Sp, B, Hkv, G], the new token's own score `own` [B, Hkv, G]
     with its value v_new [B, Hkv, Dh], and the sinks' logits [Hkv, G] (no value) → [B, Hkv, G, Dh]."""
     top = jnp.maximum(jnp.max(part.top, axis=0), own)
     if sinks is not None:
         top = jnp.maximum(top, sinks[None])
-    weight = jnp.exp(part.top - top)  # [S, B, Hkv, G]
+    weight = jnp.exp(part.top - top)  # [Sp, B, Hkv, G]
     own_weight = jnp.exp(own - top)
     mass = jnp.sum(part.mass * weight, axis=0) + own_weight
     if sinks is not None:
