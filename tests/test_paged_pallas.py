@@ -118,11 +118,11 @@ def test_dispatch_chooses_by_env_and_falls_back_with_a_log_line(monkeypatch, cap
         decode_kernel(config, memory)
 
 
-def _decode_logits(config, params, env: str, monkeypatch) -> list[np.ndarray]:
+def _decode_logits(config, params, env: str, monkeypatch, layers: str = "scan") -> list[np.ndarray]:
     """Prefill two rows (12 and 9 tokens) into a paged memory of shuffled blocks, then 6 decode steps
     of both rows: the logits of each step, with the paged decode attention chosen by `env`."""
     monkeypatch.setenv(KERNEL_ENV, env)
-    model = build_model(config)
+    model = build_model(config, layers=layers)
     forward = jax.jit(model.forward, static_argnames=("attend_len", "last_only"))
     memory = init_paged_memory(config, 2, 12, BS, 64)
     memory = memory._replace(table=jnp.asarray(np.random.default_rng(2).permutation(12)[:8].reshape(2, 4), jnp.int32))
@@ -148,13 +148,15 @@ WINDOW_CAP_SINKS = {"sliding_window": 3, "sliding_layers": (True, False), "attn_
     ids=["sliding-capped-sinks", "gqa", "mqa"],
 )
 def test_model_logits_through_the_kernel_equal_the_gather_path(changes, monkeypatch):
+    """The kernel (interpreted) inside the per-layer loop a GPU runs (model/layer_loop.py) against XLA's
+    gather in the layer scan: the same decode logits to float32 rounding."""
     config = tiny_config(**changes)
     params = build_model(config).init(jax.random.PRNGKey(5))
     if config.attn_sinks:  # learned sinks, not zeros: they must reach the kernel's softmax
         sinks = params["decoder/layers/attention"]["sinks"]
         params["decoder/layers/attention"]["sinks"] = sinks + jnp.linspace(-1.0, 2.0, sinks.size).reshape(sinks.shape)
     gather = _decode_logits(config, params, "xla", monkeypatch)
-    kernel = _decode_logits(config, params, "interpret", monkeypatch)
+    kernel = _decode_logits(config, params, "interpret", monkeypatch, layers="loop")  # a GPU's layer loop
     for a, b in zip(gather, kernel, strict=True):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
 
