@@ -2,7 +2,9 @@
 # hkserve on a lent GPU machine (one H100 or H200, JAX with CUDA, torch, transformers; no network), in
 # about 8 minutes: the golden SmolLM2 and HTTP tests on the GPU, then `hkserve bench engine` in bf16 on a
 # random Llama 3.2 1B and on SmolLM2 at 1, 16 and 64 slots beside transformers on the same GPU, with the
-# measured HBM bandwidth and the share of it reached at batch 1. Every stage has its own time limit and a
+# measured HBM bandwidth and the share of it reached at batch 1, then SmolLM2's paged decode step through
+# the Pallas kernel vs XLA's gather (last: past the budget it is skipped; DEVICE_CHECK_ONLY=paged-attention
+# runs it alone). Every stage has its own time limit and a
 # failure does not stop the next; a summary ends the run. JSON (and the log) go to $OUT when it is set.
 #
 # The two-call procedure (docs/benchmarks.md, "GPU"). SmolLM2's GGUF (94 MiB) is more than one call
@@ -38,6 +40,7 @@ if ((DRY)); then
     SMOLLM2_SLOTS=(--slots 1,2 --hf-batches 1,2)
     PROFILE=(--slots 1,2 --max-len 128 --steps 4 --trace-steps 2)
     TESTS=(-k "models_lists or second_pull")  # the plumbing (store, fixtures, CLI), not minutes of CPU decoding
+    PAGED=(--rows 1,2 --context 40 --max-len 128 --block-size 16 --steps 3 --repeats 1)
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
     RANDOM_MODEL=llama3.2-1b
@@ -45,6 +48,7 @@ else
     SMOLLM2_SLOTS=(--slots 1,64 --hf-batches 1,64)  # the whole 1/16/64 set took over 140 s on an H200
     PROFILE=(--slots 1,64 --max-len 2048 --steps 64 --trace-steps 8)
     TESTS=()
+    PAGED=(--rows 16,64 --context 1024 --max-len 2048 --block-size 32 --steps 32 --repeats 3)
 fi
 
 # -- the stages' bodies; each runs as `device-check.sh --run NAME ...` under `timeout` ------------------
@@ -90,6 +94,11 @@ bench() {  # bench JSON_NAME ARGS...: `hkserve bench engine --json`, its JSON li
 
 profile() {  # where a decode step's time goes: scripts/device_profile.py
     "$PY" scripts/device_profile.py --random "$RANDOM_MODEL" "${PROFILE[@]}" --out "$RESULTS"
+}
+
+paged_attention() {  # SmolLM2's paged decode step, Pallas kernel vs XLA's gather: scripts/device_paged_attention.py
+    # (its JSON stays in $WORK, for summary.json: one call brings back 8 files)
+    "$PY" scripts/device_paged_attention.py --model "$MODEL" "${PAGED[@]}" --out "$WORK/paged-attention.json"
 }
 
 case ${1:-} in
@@ -168,8 +177,13 @@ if ((HAVE_SMOLLM2)); then
 else
     skip bench-smollm2 "no SmolLM2 store"
 fi
+if ((HAVE_SMOLLM2)); then
+    stage paged-attention 120 paged_attention
+else
+    skip paged-attention "no SmolLM2 store"
+fi
 
-"$PY" scripts/device_check_report.py summary "$STAGES" "$WORK/tests.xml" "$RESULTS" 2>&1 | tee -a "$LOG"
+"$PY" scripts/device_check_report.py summary "$STAGES" "$WORK/tests.xml" "$RESULTS" "$WORK/paged-attention.json" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 rm -rf "$WORK"
 exit "$rc"

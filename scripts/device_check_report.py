@@ -3,8 +3,9 @@
 env OUT_JSON: the machine, the versions that matter, and whether every distribution of
     scripts/device-wheels.txt is installed with its requirements met (a carried wheel that needs a
     newer package than the machine has shows up here, not as an ImportError three stages later).
-summary STAGES_TSV TESTS_XML RESULTS_DIR: tests.json from pytest's JUnit XML, summary.json from the
-    stages and the benchmark JSONs, and a summary on stdout. Exits 1 if a stage failed.
+summary STAGES_TSV TESTS_XML RESULTS_DIR [PAGED_JSON]: tests.json from pytest's JUnit XML, summary.json
+    from the stages, the benchmark JSONs and scripts/device_paged_attention.py's (Pallas vs XLA's gather),
+    and a summary on stdout. Exits 1 if a stage failed.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def bench_summary(report: dict) -> dict:
     }
 
 
-def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
+def summary(stages_tsv: Path, junit: Path, results: Path, paged_json: Path | None = None) -> int:
     stages = read_stages(stages_tsv)
     tests = read_tests(junit)
     if tests is not None:
@@ -168,8 +169,11 @@ def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
         if (results / f"{name}.json").is_file()
     }
     profile = json.loads((results / "profile.json").read_text()) if (results / "profile.json").is_file() else None
+    paged = json.loads(paged_json.read_text()) if paged_json is not None and paged_json.is_file() else None
     (results / "summary.json").write_text(
-        json.dumps({"stages": stages, "tests": tests, "bench": benches, "profile": profile}, indent=2)
+        json.dumps(
+            {"stages": stages, "tests": tests, "bench": benches, "profile": profile, "paged_attention": paged}, indent=2
+        )
     )
 
     print("== summary")
@@ -192,6 +196,8 @@ def summary(stages_tsv: Path, junit: Path, results: Path) -> int:
             print(f"  {n:>3} slots: hkserve {tok_s:.1f} tok/s, {theirs}")
     if profile is not None:
         print_profile(profile)
+    if paged is not None:
+        print_paged(paged)
     return 1 if any(s["status"] in ("failed", "timed out") for s in stages) else 0
 
 
@@ -214,11 +220,24 @@ def print_profile(profile: dict) -> None:
                 print(f"         {k['ms_per_step']:.3f} ms  x{k['calls_per_step']:.0f}  {k['name'][:90]}")
 
 
+def print_paged(paged: dict) -> None:
+    """scripts/device_paged_attention.py's figures: ms per paged decode step on either path, and the ratio."""
+    print(f"paged decode step: {paged['model']} on {paged['device']}, {paged['kernel']} kernel vs XLA's gather")
+    if not paged["kernel_used"]:
+        print("  the kernel did not take this model (the log says why): both columns are XLA's gather")
+    for rows, r in paged["rows"].items():
+        print(
+            f"  {rows:>3} rows: XLA gather {r['xla_ms']:.3f} ms, Pallas {r['pallas_ms']:.3f} ms, "
+            f"XLA / Pallas {r['xla_over_pallas']:.2f}x; first step's logits differ by {r['max_abs_logit_diff']:.3g}, "
+            f"greedy tokens {'equal' if r['greedy_equal'] else 'DIFFER'}"
+        )
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["env"] and len(argv) == 2:
         return env(Path(argv[1]))
-    if argv[:1] == ["summary"] and len(argv) == 4:
-        return summary(Path(argv[1]), Path(argv[2]), Path(argv[3]))
+    if argv[:1] == ["summary"] and len(argv) in (4, 5):
+        return summary(*(Path(a) for a in argv[1:]))
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -15,8 +15,9 @@ from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 
 
-def reference(q, k_new, v_new, k_mem, v_mem, layer, past_len, window, cap):
-    """float64: each row's query heads over its visible past (< past_len, within the window) and itself."""
+def reference(q, k_new, v_new, k_mem, v_mem, layer, past_len, window, cap, sinks=None):
+    """float64: each row's query heads over its visible past (< past_len, within the window) and itself,
+    and (sinks [Hkv, G], gpt-oss) one more logit per query head in the denominator only."""
     b, h, g, d = q.shape
     out = np.zeros((b, h, g, d))
     for i in range(b):
@@ -28,8 +29,10 @@ def reference(q, k_new, v_new, k_mem, v_mem, layer, past_len, window, cap):
             scores = keys @ q[i, j].astype(np.float64).T  # [S, G]
             if cap:
                 scores = cap * np.tanh(scores / cap)
-            p = np.exp(scores - scores.max(0))
-            out[i, j] = (p / p.sum(0)).T @ values
+            top = scores.max(0) if sinks is None else np.maximum(scores.max(0), sinks[j])
+            p = np.exp(scores - top)
+            total = p.sum(0) + (0.0 if sinks is None else np.exp(sinks[j] - top))
+            out[i, j] = (p / total).T @ values
     return out
 
 

@@ -15,7 +15,15 @@ from helpers import REPO, SHARED, require_fixtures
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-STAGES = ("setup", "convert-smollm2", "golden-tests", "bench-llama-1b", "profile-llama-1b", "bench-smollm2")
+STAGES = (
+    "setup",
+    "convert-smollm2",
+    "golden-tests",
+    "bench-llama-1b",
+    "profile-llama-1b",
+    "bench-smollm2",
+    "paged-attention",
+)
 
 
 def run(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -70,6 +78,10 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     assert set(profile) == {"1", "2"} and profile["1"]["ms_per_step"]["pipelined"] > 0
     assert "profile: random:tiny-llama" in result.stdout
     assert "== summary" in result.stdout and "batch-1 limit" in result.stdout
+    paged = summary["paged_attention"]  # the Pallas kernel interpreted on the CPU vs XLA's gather
+    assert paged["kernel"] == "interpret" and paged["kernel_used"] and set(paged["rows"]) == {"1", "2"}
+    assert all(r["greedy_equal"] and r["pallas_ms"] > 0 and r["xla_ms"] > 0 for r in paged["rows"].values())
+    assert "paged decode step:" in result.stdout and "XLA / Pallas" in result.stdout
 
     # A fresh machine (part 1 gone) with almost no time left: every stage says why it did not run.
     run(
@@ -79,7 +91,9 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     notes = {s["stage"]: (s["status"], s["note"]) for s in json.loads((out / "summary.json").read_text())["stages"]}
     assert notes["setup"] == notes["bench-llama-1b"] == notes["profile-llama-1b"] == ("skipped", "out of time")
     assert notes["convert-smollm2"][0] == "skipped" and "halves are not both here" in notes["convert-smollm2"][1]
-    assert notes["golden-tests"] == notes["bench-smollm2"] == ("skipped", "no SmolLM2 store")
+    assert (
+        notes["golden-tests"] == notes["bench-smollm2"] == notes["paged-attention"] == ("skipped", "no SmolLM2 store")
+    )
 
 
 def _names(path) -> set[str]:

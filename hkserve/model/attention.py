@@ -8,14 +8,26 @@ have their own RoPE base).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import dispatch, ffi
-from hkserve.model import layer_weights
+from hkserve.model import layer_weights, paged_pallas
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, Linear, RMSNorm, norm_dtype, param_dtype
+
+
+class HeldKV(NamedTuple):
+    """A decode step's KV memory read in place by a kernel instead of as k_past/v_past."""
+
+    k: jax.Array  # [L, B, S, Hkv, Dh] static, or a paged pool [L, NB, bs, Hkv, Dh]
+    v: jax.Array  # same as k
+    layer: jax.Array  # [] int32: the layer read
+    table: jax.Array | None  # [B, MB] int32 block tables of a paged pool, None for a static memory
+    kernel: str  # "cpu" (kernels/attention.cc), "pallas" or "interpret" (paged_pallas.py; paged only)
 
 
 def rope_frequencies(config: ModelConfig, theta: jax.Array) -> jax.Array:
@@ -77,9 +89,7 @@ class Attention(hk.Module):
         """x: [B,T,D]; positions: [B,T]; k_past/v_past: [B,W,Hkv,Dh]; past_len: [B] (valid past keys);
         window: this layer's sliding window (0 = none); rope_spec: (its RoPE base, 1.0 if it applies RoPE
         else 0.0: SmolLM3's NoPE layers, where a zero frequency makes the rotation the identity).
-        `memory` (decode with the CPU kernels, T = 1): (k [L,B,S,Hkv,Dh], v, layer, None) read in place
-        instead of k_past/v_past, or a paged pool's (k [L,NB,bs,Hkv,Dh], v, layer, table [B,MB]) read
-        through the block table.
+        `memory` (a decode step, T = 1): a HeldKV its kernel reads in place instead of k_past/v_past.
 
         Returns (out [B,T,D], k_new [B,T,Hkv,Dh], v_new [B,T,Hkv,Dh]).
         """
@@ -103,11 +113,7 @@ class Attention(hk.Module):
         q = q.reshape(b, t, c.n_kv_heads, groups, c.head_dim)  # [B, T, Hkv, G, Dh]
 
         if memory is not None:
-            threads = dispatch.active().threads
-            k_memory, v_memory, layer, table = memory
-            out = ffi.decode_attention(
-                q[:, 0], k[:, 0], v[:, 0], k_memory, v_memory, layer, past_len, window, c.attn_logit_cap, threads, table
-            )
+            out = _read_in_place(c, q[:, 0], k[:, 0], v[:, 0], memory, past_len, positions[:, 0], window)
             return _out_proj(c, out.reshape(b, t, c.n_heads * c.head_dim)), k, v
         neg = jnp.finfo(F32).min
 
@@ -131,6 +137,21 @@ class Attention(hk.Module):
         return _out_proj(c, out), k, v
 
 
+def _read_in_place(c: ModelConfig, q, k_new, v_new, held: HeldKV, past_len, q_pos, window) -> jax.Array:
+    """One new token per row, q [B, Hkv, G, Dh], over a memory its kernel reads in place: the C++ CPU
+    kernel (no sinks: the caller keeps gpt-oss on XLA there), or the Pallas kernel over a paged pool."""
+    if held.kernel == "cpu":
+        threads = dispatch.active().threads
+        return ffi.decode_attention(
+            q, k_new, v_new, held.k, held.v, held.layer, past_len, window, c.attn_logit_cap, threads, held.table
+        )
+    past = paged_pallas.PagedPast(held.k, held.v, held.layer, held.table, past_len, q_pos, window)
+    splits = paged_pallas.default_splits(held.table.shape[1])
+    return paged_pallas.paged_decode_attention(
+        q, k_new, v_new, past, c.attn_logit_cap, _sinks(c), splits=splits, interpret=held.kernel == "interpret"
+    )
+
+
 def _out_proj(c: ModelConfig, out: jax.Array) -> jax.Array:
     """[B, T, H*Dh] → [B, T, D], with gpt-oss's bias."""
     return Linear(c.dim, param_dtype(c, "o_proj"), "o_proj", bias_dtype=norm_dtype(c) if c.o_bias else None)(out)
@@ -139,8 +160,16 @@ def _out_proj(c: ModelConfig, out: jax.Array) -> jax.Array:
 def _softmax(c: ModelConfig, scores: jax.Array) -> jax.Array:
     """Softmax over the keys of scores [B, Hkv, G, T, S]. With attn_sinks (gpt-oss), each query head's
     learned logit joins the denominator as one more key with no value, so a head can attend to nothing."""
-    if not c.attn_sinks:
+    sinks = _sinks(c)
+    if sinks is None:
         return jax.nn.softmax(scores, axis=-1)
-    sinks = hk.get_parameter("sinks", [c.n_heads], norm_dtype(c), init=jnp.zeros).astype(F32)  # [H] = [Hkv*G]
-    sink = jnp.broadcast_to(sinks.reshape(c.n_kv_heads, -1)[None, :, :, None, None], (*scores.shape[:-1], 1))
+    sink = jnp.broadcast_to(sinks[None, :, :, None, None], (*scores.shape[:-1], 1))
     return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def _sinks(c: ModelConfig) -> jax.Array | None:
+    """gpt-oss's learned logit per query head [Hkv, G], float32; None for models without sinks."""
+    if not c.attn_sinks:
+        return None
+    sinks = hk.get_parameter("sinks", [c.n_heads], norm_dtype(c), init=jnp.zeros)  # [H] = [Hkv*G]
+    return sinks.astype(F32).reshape(c.n_kv_heads, -1)

@@ -8,18 +8,27 @@ block whose contents are masked out (only positions < step are ever seen). The h
 place; the model never allocates.
 
 Reading a row's past gathers its first ceil(W / bs) blocks into [W, Hkv, Dh], position = index as
-in the static layout, so attention computes the same numbers on either layout.
+in the static layout, so attention computes the same numbers on either layout. A decode step may
+instead read the blocks in place: the C++ kernel on a CPU (kernels/attention.cc), the Pallas kernel
+(model/paged_pallas.py) on a GPU, by `decode_kernel`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from hkserve.model import paged_pallas
 from hkserve.model.config import ModelConfig
 from hkserve.model.memory import cache_dtype
+
+log = logging.getLogger("hkserve.model")
+KERNEL_ENV = "HKSERVE_PAGED_ATTENTION"
+KERNEL_CHOICES = ("auto", "pallas", "xla", "interpret")
 
 
 class PagedKVMemory(NamedTuple):
@@ -74,3 +83,29 @@ def write_new(
         k=memory.k.at[:, block, offset].set(k_new.astype(memory.k.dtype), mode="drop"),
         v=memory.v.at[:, block, offset].set(v_new.astype(memory.v.dtype), mode="drop"),
     )
+
+
+def decode_kernel(config: ModelConfig, memory: PagedKVMemory) -> str | None:
+    """How a paged decode step (one token per row) reads its past when the CPU kernels do not:
+    "pallas" (paged_pallas.py under Triton, the default on a GPU), "interpret" (the same kernel in
+    Pallas's interpreter: the tests' way on a CPU) or None, XLA's gather (read_past; the default
+    elsewhere). HKSERVE_PAGED_ATTENTION=auto|pallas|xla|interpret chooses, read when the step is
+    traced; xla forces the gather on a GPU (A/B). A pool the kernel cannot read, or more than one GPU
+    (the kernel has no sharding rule), falls back to the gather with a log line."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    backend = jax.default_backend()
+    if choice == "auto":
+        choice = "pallas" if backend == "gpu" else "xla"
+    if choice == "xla":
+        return None
+    if choice == "pallas" and backend != "gpu":
+        raise ValueError(f"{KERNEL_ENV}=pallas needs a GPU backend, this is {backend} (interpret runs it here)")
+    reason = paged_pallas.unsupported(memory.block_size, config.head_dim, memory.k.dtype)
+    if reason is None and choice == "pallas" and jax.device_count() > 1:
+        reason = f"a mesh of {jax.device_count()} devices (it runs on one)"
+    if reason is not None:
+        log.warning("paged decode attention: XLA's gather, not the Pallas kernel: %s", reason)
+        return None
+    return choice

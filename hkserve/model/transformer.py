@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from hkserve.kernels import dispatch
 from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model import layer_loop, layer_weights
-from hkserve.model.attention import Attention
+from hkserve.model.attention import Attention, HeldKV
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
 from hkserve.model.memory import KVMemory, init_memory
 from hkserve.model.model import Model
 from hkserve.model.packing import pack_params
-from hkserve.model.paged_memory import PagedKVMemory, read_past, write_new
+from hkserve.model.paged_memory import PagedKVMemory, decode_kernel, read_past, write_new
 
 
 def _decoder(
@@ -71,11 +71,13 @@ def _decoder(
         and c.head_dim % 16 == 0
         and not c.attn_sinks
     )
+    # Otherwise a paged decode step may read its blocks through the Pallas kernel (a GPU's default).
+    pallas = decode_kernel(c, memory) if paged and slots is None and t == 1 and not in_place else None
 
     def _block(x, layer, window, rope_spec):
-        if in_place:
+        if in_place or pallas:
             k_past = v_past = None
-            held = (memory.k, memory.v, layer, memory.table if paged else None)
+            held = HeldKV(memory.k, memory.v, layer, memory.table if paged else None, pallas or "cpu")
         elif paged:  # gather the rows' blocks up to the window (paged_memory.py)
             table = memory.table[rows]  # [b, MB]
             k_past, v_past = (
