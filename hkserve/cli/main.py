@@ -1,5 +1,5 @@
-"""`hkserve` command line: pull | convert | models | serve | sample | bench | eval-ppl | generate | logits, and the
-training commands of train/cli.py (train | train-vocab | validation | test).
+"""`hkserve` command line: pull | convert | quantize | models | serve | sample | bench | eval-ppl | generate |
+logits, and the training commands of train/cli.py (train | train-vocab | validation | test).
 
 Results go to stdout, everything else (progress, timings, logs) to stderr, so output can be piped.
 """
@@ -13,7 +13,7 @@ import sys
 from hkserve.bench.cli import add_bench_parser
 from hkserve.checkpoint.convert import convert, pull
 from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
-from hkserve.cli import eval_ppl, logits
+from hkserve.cli import eval_ppl, logits, quantize
 from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.cli.generate import run_generate
 from hkserve.cli.loading import add_kv_arguments, add_prefix_cache_argument, add_variant_arguments
@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="make a stored float model's int4/int8 variant, its CPU default")
+    quantize.add_arguments(p)
+    p.set_defaults(func=quantize.run)
 
     p = sub.add_parser("models", help="list the model store")
     p.set_defaults(func=cmd_models)
