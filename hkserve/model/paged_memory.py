@@ -92,7 +92,8 @@ def decode_kernel(config: ModelConfig, memory: PagedKVMemory) -> str | None:
     interpret chooses, read when the step is traced. auto is the gather on every backend until the
     device check (scripts/device-check.sh, stage paged-attention) has compiled and timed the kernel on a
     GPU: it has only been lowered for CUDA and run interpreted, and a Triton failure would stop serving.
-    A pool the kernel cannot read, or more than one GPU (the kernel has no sharding rule), falls back to the gather with a log line."""
+    A pool the kernel cannot read, or more than one GPU (the kernel has no sharding rule), falls back
+    to the gather with a log line."""
     choice = os.environ.get(KERNEL_ENV, "auto")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
