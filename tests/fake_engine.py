@@ -197,8 +197,9 @@ class FakeEngine:
     def spec_counts(self) -> None:
         return None
 
-    def release(self, slot: int, keep: bool = False) -> None:
-        """A request left the slot: its paged blocks go back to the pool unless `keep` (as Engine.release)."""
+    def release(self, slot: int, keep: bool = False, written=()) -> None:
+        """A request left the slot: its paged blocks go back to the pool unless `keep` (as Engine.release;
+        `written` is not registered: the FakeEngine keeps no pool cache)."""
         if self.kv_pool is not None:
             self.kv_pool.reserve(slot, 0)
             if not keep:

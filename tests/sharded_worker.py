@@ -105,8 +105,10 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             params = store.params(info.name, shardings)  # restored straight onto the mesh
             for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
                 assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
-        paged = kind == "tiny-paged" and not name.startswith("static-")
-        kv = {"kv_layout": "paged", "block_size": 16, "max_len": 256} if paged else {"max_len": 256}
+        static = name.startswith("static-")  # the paged kind's reference; every other run is paged (the default)
+        kv = {"kv_layout": "static" if static else "paged", "max_len": 256}
+        if kind == "tiny-paged" and not static:
+            kv["block_size"] = 16
         if name.startswith("spec-small-"):  # 8 blocks of 16: 64 positions per data shard, --max-len 64
             kv |= {"max_len": 64, "kv_cache_mb": 8 * block_bytes(config, 16) / 2**20}
         engine = Engine(model, params, EngineOptions(slots=8, prefill_buckets=(16, 32, 64), **kv), mesh=mesh)

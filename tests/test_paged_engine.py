@@ -205,7 +205,7 @@ def test_warmup_on_the_paged_layout_gives_every_block_back():
 def test_kv_options_an_engine_cannot_honour_are_refused():
     model = build_model(CONFIG)
     with pytest.raises(ValueError, match="use it with --kv-layout paged"):
-        Engine(model, F32, EngineOptions(slots=2, max_len=160, kv_cache_mb=1.0))
+        Engine(model, F32, EngineOptions(slots=2, max_len=160, kv_layout="static", kv_cache_mb=1.0))
     with pytest.raises(ValueError, match="block size"):
         Engine(model, F32, EngineOptions(slots=2, max_len=160, kv_layout="paged", block_size=0))
     with pytest.raises(ValueError, match="less than one request of --max-len 160"):

@@ -26,7 +26,7 @@ PREFIX = [(7 * i + 3) % 96 for i in range(300)]
 
 
 def make_runner(layout: str = "paged", prefix_cache: str = "on", slots: int = 4, blocks: int | None = None):
-    kv = {"kv_layout": "paged", "block_size": 16} if layout == "paged" else {}
+    kv = {"kv_layout": "paged", "block_size": 16} if layout == "paged" else {"kv_layout": "static"}
     if blocks is not None:
         kv["kv_cache_mb"] = blocks * block_bytes(CONFIG, 16) / 2**20
     options = EngineOptions(slots=slots, max_len=384, prefill_buckets=(8, 64), prefix_cache=prefix_cache, **kv)

@@ -33,7 +33,7 @@ def int8_smollm2(smollm2):
 
 
 def make_runner(config, params, layout: str, kernels=None, prefix_cache: str = "off") -> InferenceRunner:
-    kv = {"kv_layout": "paged", "block_size": 32} if layout == "paged" else {}
+    kv = {"kv_layout": "paged", "block_size": 32} if layout == "paged" else {"kv_layout": "static"}
     options = EngineOptions(slots=4, max_len=512, prefill_buckets=(32, 128), prefix_cache=prefix_cache, **kv)
     engine = Engine(build_model(config, kernels), params, options)
     return InferenceRunner(engine, max_queue=64)  # never started: the test's thread is the loop

@@ -97,11 +97,10 @@ def test_chunk_plans():
 
 
 # -- the engine -----------------------------------------------------------------------------------------
-def engine(mode: str, slots: int = 3, max_len: int = 256) -> Engine:
+def engine(mode: str, slots: int = 3, max_len: int = 256, layout: str = "paged") -> Engine:
     # up to 128: an uncached prompt of 129..256 tokens is one 128 chunk and a short suffix a small one
-    return Engine(
-        MODEL, PARAMS, EngineOptions(slots=slots, max_len=max_len, prefill_buckets=(8, 32, 128), prefix_cache=mode)
-    )
+    options = EngineOptions(slots, max_len, (8, 32, 128), prefix_cache=mode, kv_layout=layout)
+    return Engine(MODEL, PARAMS, options)
 
 
 def run(e: Engine, slot: int, ids, reuse=None, n: int = 8, others=()) -> tuple[list[int], list[float]]:
@@ -200,8 +199,10 @@ def test_batch_invariance_with_exact_reuse_among_requests_sharing_the_prefix(exa
     assert runner.prefix.hit >= 5 * 128  # most of the 8 requests reused the shared prefix
 
 
-def test_runner_reports_cached_tokens_and_does_not_reuse_stale_content(on_engine):
-    runner = InferenceRunner(on_engine)  # a fresh record: nothing of the engine tests' slots is reused
+def test_runner_reports_cached_tokens_and_does_not_reuse_stale_content():
+    """The slots as the cache (static layout: a paged pool would still hold prompt(1, 2)'s blocks, rightly
+    reused: test_paged_prefix_sharing, test_paged_reply_cache)."""
+    runner = InferenceRunner(engine("on", layout="static"))
     first = runner.submit(Request(prompt(1), 4))
     while runner.iterate():
         pass

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", default="f32,int8", help="comma list of weight variants, each started cold then warm")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--serve-args", default="", help='more of serve\'s flags, e.g. "--kv-layout paged"')
+    p.add_argument("--serve-args", default="", help='more of serve\'s flags, e.g. "--kv-layout static"')
     p.add_argument("--warm-starts", type=int, default=1, help="warm starts after each cold one")
     p.add_argument("--ready-within", type=float, default=1800, help="seconds a start may take before it fails")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")

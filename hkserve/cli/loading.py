@@ -117,8 +117,8 @@ def add_kv_arguments(p) -> None:
         "--kv-layout",
         choices=LAYOUTS,
         default=DEFAULT_LAYOUT,
-        help="static: every slot reserves --max-len positions of KV; paged: blocks from one pool of --kv-cache-mb, "
-        "given to requests as they grow (Transformer-VQ models keep their fixed-size memory either way)",
+        help="paged (default): KV in blocks from one pool of --kv-cache-mb, given to requests as they grow; static: "
+        "every slot reserves --max-len positions (Transformer-VQ models keep their fixed-size memory either way)",
     )
     p.add_argument(
         "--kv-cache-mb",

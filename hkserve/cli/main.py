@@ -114,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     add_step_tokens_argument(p)
-    p.add_argument("--max-len", type=int, default=2048, help="context length of each slot")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        help="the longest a request may grow (prompt + reply); --kv-layout static: every slot reserves it",
+    )
     p.add_argument(
         "--prefill-rows",
         type=int,
@@ -166,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-len", type=int, default=2048, help="context length of the KV memory")
+    p.add_argument("--max-len", type=int, default=2048, help="the longest the request may grow (prompt + reply)")
     p.add_argument(
         "--mesh",
         default=None,
@@ -174,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "if that divides the heads, else all on data)",
     )
     add_variant_arguments(p)
+    add_kv_arguments(p)
     add_speculative_arguments(p)
     p.set_defaults(func=run_generate)
 

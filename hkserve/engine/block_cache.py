@@ -2,11 +2,14 @@
 (vLLM's hash-keyed block cache; issue 34).
 
 A full block whose KV a prefill computed is registered under the chain hash of its prefix: block i's
-key is `chain_hash(key of block i-1, tokens of block i)`. It stays findable while it is named by any
-slot and, once no slot names it (`BlockPool.drop`, `truncate`), while the pool has room: such a block
-is parked in its shard's LRU instead of the free list, and the pool takes the least recently parked
-one (`evict`) only when the free list is empty. A new prompt walks its full blocks from the first and
-takes, by reference, every block the cache holds for its prefix, whatever slot it lands in.
+key is `chain_hash(key of block i-1, tokens of block i)`. So, in prefix-cache mode "on", is a finished
+request's block over its prompt and reply (paged_slots.py `_cache_reply`): the chain goes on past the
+prompt, and a chat's next turn finds the reply's blocks as it finds a prompt's. A block stays
+findable while it is named by any slot and, once no slot names it (`BlockPool.drop`, `truncate`),
+while the pool has room: such a block is parked in its shard's LRU instead of the free list, and the
+pool takes the least recently parked one (`evict`) only when the free list is empty. A new prompt
+walks its full blocks from the first and takes, by reference, every block the cache holds for its
+prefix, whatever slot it lands in.
 
 A hash alone could collide: each entry also keeps its block's tokens and a serial naming the entry of
 the block before it (serials are never reused, even when a block id is), and a lookup accepts a block

@@ -16,8 +16,9 @@ Each data shard of the mesh has its own part of the pool: the slots of shard d (
 (d+1)*B/D - 1) take only blocks d*NB/D .. (d+1)*NB/D - 1,
 which lie on that shard's devices.
 
-The pool is also the prefix cache (block_cache.py): a full block whose KV a prefill computed is
-registered under its prefix's chain hash (`register`); when no row names it any more it is parked in
+The pool is also the prefix cache (block_cache.py): a full block whose KV a prefill computed, or
+(mode "on") a finished request's over its prompt and reply, is registered under its prefix's chain
+hash (`register`); when no row names it any more it is parked in
 its shard's LRU instead of freed, findable by a later prompt (`adopt`), and evicted only when its
 shard's free list is empty and a block is taken. `used` counts the blocks some row names; parked
 blocks are `cached`, and admission counts them as available (they are evicted on demand).

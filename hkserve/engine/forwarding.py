@@ -5,7 +5,7 @@ engine's `positions` is replaced when it resets."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hkserve.engine.protocols import ServingEngine
 
@@ -31,5 +31,5 @@ class ForwardsQueries:
     def check_fits(self, prompt_len: int, max_tokens: int = 0) -> None:
         self.inner.check_fits(prompt_len, max_tokens)
 
-    def release(self, slot: int, keep: bool = False) -> None:
-        self.inner.release(slot, keep)
+    def release(self, slot: int, keep: bool = False, written: Sequence[int] = ()) -> None:
+        self.inner.release(slot, keep, written)

@@ -18,7 +18,7 @@ from hkserve.model.memory import cache_dtype
 
 log = logging.getLogger("hkserve.engine")
 LAYOUTS = ("static", "paged")
-DEFAULT_LAYOUT = "static"
+DEFAULT_LAYOUT = "paged"  # issue 34: the engine's memory model; "static" stays selectable
 DEFAULT_BLOCK_SIZE = 32  # tokens per block (docs/benchmarks.md, "Paged KV": 16/32/64 measured)
 GPU_SHARE = 0.85  # of a device's free memory after the weights, left to the pool (activations take the rest)
 

@@ -27,6 +27,6 @@ class EngineOptions:
     structured: bool = False
     prefix_cache: str = "off"  # prefix_cache.MODES
     split_masks: bool | None = None  # None: by backend (see above)
-    kv_layout: str = DEFAULT_LAYOUT  # "static" (slots x max_len reserved) | "paged" (kv_layout.py)
+    kv_layout: str = DEFAULT_LAYOUT  # "paged" (the default, kv_layout.py) | "static" (slots x max_len reserved)
     kv_cache_mb: float | None = None  # paged: the pool's size (None: kv_layout.py's default)
     block_size: int = DEFAULT_BLOCK_SIZE  # paged: tokens per block

@@ -9,6 +9,8 @@ when the host's changed. Under the static layout `kv_pool` is None and all of th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hkserve.engine.block_pool import BlockPool
@@ -89,6 +91,16 @@ class PagedSlots:
         granule = self.prefill_chunk or 1
         self.kv_pool.register(slot, prompt_ids, len(prompt_ids) - len(prompt_ids) % granule)
 
+    def _cache_reply(self, slot: int, written: Sequence[int]) -> None:
+        """A finished request's full blocks over its prompt and reply become findable by their prefix,
+        the chain continuing past the prompt, so a chat's next turn (prompt + reply + more) reuses
+        them whatever slot it lands in. Mode "on" only: a decode step's KV is not bit for bit what a
+        prefill computes, so in mode "exact" decode-written blocks are never registered (nor need a
+        mark: the prompt's own blocks were registered by its prefill, and a later exact prefill of the
+        same tokens registers its own blocks under the keys these would have taken)."""
+        if self.prefix_cache == "on" and written:
+            self.kv_pool.register(slot, written, len(written))
+
     def _grow(self, active: np.ndarray) -> None:
         """Each active slot holds a block for the position its step writes."""
         if self.kv_pool is not None:
@@ -96,10 +108,12 @@ class PagedSlots:
                 self.kv_pool.grow(int(slot), int(self.positions[slot]) + 1)
             self.sync_table()
 
-    def release(self, slot: int, keep: bool = False) -> None:
+    def release(self, slot: int, keep: bool = False, written: Sequence[int] = ()) -> None:
         """The request in `slot` ended: its blocks go back to the pool, unless `keep` (the prefix cache
-        may reuse them; admission counts them until the slot is taken again)."""
+        may reuse them; admission counts them until the slot is taken again). `written`: the tokens
+        whose KV the slot holds, prompt then reply (`_cache_reply`)."""
         if self.kv_pool is not None:
+            self._cache_reply(slot, written)
             self.kv_pool.reserve(slot, 0)
             if not keep:
                 self.kv_pool.drop(slot)

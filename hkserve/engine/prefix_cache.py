@@ -123,6 +123,11 @@ class PrefixCache:
         record.valid = min(len(record.tokens), written)
         record.used = next(self._clock)
 
+    def written(self, slot: int) -> list[int]:
+        """The tokens whose KV `slot`'s memory holds (as of `finished`): its prompt, then its reply."""
+        record = self._records[slot]
+        return record.tokens[: record.valid]
+
     def forget(self, slot: int) -> None:
         """The slot's memory holds nothing reusable (a failed or partial prefill)."""
         self._records[slot] = _Record(used=self._records[slot].used)

@@ -92,8 +92,9 @@ class ServingEngine(Protocol):
 
     def step_sample(self, forward: Any, bitmask: np.ndarray) -> Pending: ...
 
-    def release(self, slot: int, keep: bool = False) -> None:
-        """The request in `slot` ended: its paged blocks go back to the pool unless `keep` (prefix cache)."""
+    def release(self, slot: int, keep: bool = False, written: Sequence[int] = ()) -> None:
+        """The request in `slot` ended: its paged blocks go back to the pool unless `keep` (prefix cache);
+        `written`: the tokens whose KV the slot holds (prompt, reply), registered in the pool cache."""
         ...
 
     def reset(self) -> None: ...

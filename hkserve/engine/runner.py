@@ -279,7 +279,10 @@ class InferenceRunner(Admission, Preemption):
                 self._evict(slot)
             elif self._slots[slot] is not None:
                 self.prefix.finished(slot, self._slots[slot].length)
-                self.engine.release(slot, keep=self.prefix.mode != "off")
+                # paged: the reply's blocks join the pool cache for the next turn, unless the request
+                # failed (its memory is not trusted; a failed loop resets the engine anyway)
+                written = self.prefix.written(slot) if error is None and self.prefix.mode != "off" else ()
+                self.engine.release(slot, keep=self.prefix.mode != "off", written=written)
             self._slots[slot] = None
             self.grammars.release(slot)
 

@@ -152,13 +152,14 @@ class LeaderEngine(OneShotPrefill, ForwardsQueries):
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
         return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask), **_generated(generated))
 
-    def release(self, slot: int, keep: bool = False) -> None:
+    def release(self, slot: int, keep: bool = False, written=()) -> None:
         """Paged: a slot's blocks go back to the pool on every host, so that the followers' block pools
         (replaying the same prefills, steps and releases in order) make host 0's decisions: the same
         block tables, the same blocks shared and freed. The static layout holds nothing to release."""
         if self.inner.kv_pool is not None:
-            self._leader.broadcast(_call("release", slot=int(slot), keep=bool(keep)))
-        self.inner.release(slot, keep)
+            ids = [int(t) for t in written]  # the reply's blocks registered alike on every host
+            self._leader.broadcast(_call("release", slot=int(slot), keep=bool(keep), written=ids))
+        self.inner.release(slot, keep, written)
 
     def score_prefill(self, slot: int, prompt_ids, settings: SamplingParams | None = None, bitmask=None):
         settings = self._announce("score_prefill", slot, prompt_ids, settings, bitmask)
@@ -253,7 +254,7 @@ def follow(engine, follower: Follower) -> int:
             m["slots"], m["ids"], [SamplingParams(**s) for s in m["settings"]]
         ),
         "step": lambda m: engine.step(np.asarray(m["active"], bool)),
-        "release": lambda m: engine.release(m["slot"], m["keep"]),
+        "release": lambda m: engine.release(m["slot"], m["keep"], m.get("written", ())),
         "reset": lambda m: engine.reset(),
         "warmup": lambda m: engine.warmup(),
     }
