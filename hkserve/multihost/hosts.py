@@ -145,9 +145,12 @@ class LeaderEngine(OneShotPrefill, ForwardsQueries):
     def prefill(
         self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None, generated=0
     ):
-        """With `reuse`: host 0's prefix cache chose it, the followers copy the same rows; with `bitmask`:
+        """With `reuse`: host 0's prefix cache chose it (a slot's rows or the pool's cached blocks), the
+        followers reuse the same; with `bitmask`:
         a grammar's first mask; with `generated`: a preempted request resuming (paged layout)."""
-        extra = {"reuse": [int(reuse.source), int(reuse.length)]} if reuse else {}
+        # The pool's cached blocks travel too: a follower's pool holds the same blocks (it replays every
+        # call that changes one), and without them it would read the reuse as a copy from the slot.
+        extra = {"reuse": [int(reuse.source), int(reuse.length), [int(b) for b in reuse.blocks]]} if reuse else {}
         extra |= {"generated": int(generated)} if generated else {}
         settings = self._announce("prefill", slot, prompt_ids, settings, bitmask, **extra)
         return self.inner.prefill(slot, prompt_ids, settings, **_keywords(reuse, bitmask), **_generated(generated))
@@ -240,7 +243,7 @@ def follow(engine, follower: Follower) -> int:
     forward = []  # the step_forward awaiting its step_sample (grammar-constrained steps)
 
     def prefill(m, op):
-        reuse = Reuse(*m["reuse"]) if m.get("reuse") else None
+        reuse = Reuse(m["reuse"][0], m["reuse"][1], tuple(m["reuse"][2])) if m.get("reuse") else None
         settings = SamplingParams(**m["settings"])
         keywords = _keywords(reuse, _unpack_mask(m.get("mask"))) | _generated(m.get("generated", 0))
         return op(m["slot"], m["ids"], settings, **keywords)
