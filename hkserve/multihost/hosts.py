@@ -146,8 +146,8 @@ class LeaderEngine(OneShotPrefill, ForwardsQueries):
         self, slot: int, prompt_ids, settings: SamplingParams | None = None, reuse=None, bitmask=None, generated=0
     ):
         """With `reuse`: host 0's prefix cache chose it (a slot's rows or the pool's cached blocks), the
-        followers reuse the same; with `bitmask`:
-        a grammar's first mask; with `generated`: a preempted request resuming (paged layout)."""
+        followers reuse the same; with `bitmask`: a grammar's first mask; with `generated`: a preempted
+        request resuming (paged layout)."""
         # The pool's cached blocks travel too: a follower's pool holds the same blocks (it replays every
         # call that changes one), and without them it would read the reuse as a copy from the slot.
         extra = {"reuse": [int(reuse.source), int(reuse.length), [int(b) for b in reuse.blocks]]} if reuse else {}
