@@ -27,6 +27,7 @@ from hkserve.engine.forwarding import base_engine
 from hkserve.engine.warmup import COMMON_CONTEXT, ProgramCall
 
 MODES = ("eager", "background", "lazy")
+COMPILED_LINE = "compiled: "  # the server's log line once no program is left to compile (bench/startup.py)
 
 log = logging.getLogger("hkserve.compile")
 
@@ -50,7 +51,10 @@ class Compiles:
 
     def before_ready(self) -> None:
         """Compile what ready waits for: every program (eager), the common ones (else)."""
-        self.engine.warmup(None if self.mode == "eager" else self.upto)
+        if self.mode == "eager":
+            self.engine.warmup()  # a LeaderEngine's takes no cut
+        else:
+            self.engine.warmup(self.upto)
         if self.mode == "background":
             with self._lock:
                 self._pending = base_engine(self.engine).rare_calls(self.upto)
