@@ -10,8 +10,10 @@ import threading
 import jax
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from helpers import tiny_config
 
+from hkserve.api.app import create_app
 from hkserve.engine.background_compile import Compiles
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -20,6 +22,7 @@ from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
+from hkserve.train.vocab import byte_tokenizer
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
@@ -72,14 +75,22 @@ def test_lazy_gives_eagers_tokens_for_a_long_prompt_with_fewer_programs_before_r
 
 
 def test_a_background_compiled_program_is_used_without_another_compile(compiles):
+    """/health reports the programs compiled and pending as the background compiles go."""
     engine = Engine(MODEL, PARAMS, OPTIONS)
     background = Compiles(engine, "background", upto=CUT)
     background.before_ready()
-    assert background.status() == {"mode": "background", "compiled": len(engine.programs), "pending": 2}
+    app = create_app(InferenceRunner(engine), byte_tokenizer(), "tiny", engine.max_len)
+    app.state.compiles = background.status  # as hkserve serve sets it
+    app.state.context.runner.ready.set()
+    health = TestClient(app).get("/health").json
+    before_ready = len(engine.programs)
+    assert health() == {"status": "ok", "programs": {"mode": "background", "compiled": before_ready, "pending": 2}}
     compiles.clear()
     background.run_pending(limit=1)  # the background thread's progress, one program at a time
-    assert background.status()["pending"] == 1 and not background.finished.is_set()
+    assert health()["programs"] == {"mode": "background", "compiled": before_ready + 1, "pending": 1}
+    assert not background.finished.is_set()
     background.run_pending()
+    assert health()["programs"] == {"mode": "background", "compiled": before_ready + 2, "pending": 0}
     assert len(compiles) == 2 and background.finished.is_set()
     assert background.status()["pending"] == 0 and engine.rare_calls(CUT) == []
     compiles.clear()

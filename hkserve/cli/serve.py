@@ -110,6 +110,7 @@ class ServeOptions:
     reasoning_parser: str = "auto"  # api/reasoning.py CHOICES
     tool_call_parser: str = "auto"  # api/tool_parsers.py CHOICES
     compile: str = "background"  # engine/background_compile.py MODES (multi-host: always eager)
+    compile_upto: int = COMMON_CONTEXT  # the longest context whose programs compile before ready
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -129,6 +130,7 @@ class ServeOptions:
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
             compile=args.compile,
+            compile_upto=args.compile_upto,
         )
 
 
@@ -157,8 +159,15 @@ def add_compile_argument(parser) -> None:
         choices=MODES,
         default="background",
         help="when the programs compile: eager = all before /health turns ready; background = those of "
-        f"contexts up to {COMMON_CONTEXT} tokens before, the rest after it on a thread; lazy = the rest when a "
+        "contexts up to --compile-upto tokens before, the rest after it on a thread; lazy = the rest when a "
         "request first needs one (it waits for that compile). Multi-host serving is always eager",
+    )
+    parser.add_argument(
+        "--compile-upto",
+        type=positive_int,
+        default=COMMON_CONTEXT,
+        metavar="TOKENS",
+        help=f"the longest context whose programs compile before ready (background, lazy; default {COMMON_CONTEXT})",
     )
 
 
@@ -240,7 +249,8 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=options.tool_call_parser,
     )
     serving.app, serving.runner = app, runner
-    compiles = Compiles(engine, "eager" if hosts else options.compile)  # multi-host: see background_compile.py
+    mode = "eager" if hosts else options.compile  # multi-host: see background_compile.py
+    compiles = Compiles(engine, mode, options.compile_upto)
     app.state.compiles = compiles.status
 
     def warm_up():
