@@ -32,20 +32,6 @@ CUT = 128  # common: contexts up to 128 tokens; rare: the 256 window's step and 
 LONG = np.random.default_rng(2).integers(0, 96, 200).tolist()  # 7 chunks, reaching the 256 window
 
 
-@pytest.fixture
-def compiles():
-    """The programs XLA compiles (or loads from the persistent cache) while the test runs, one event each."""
-    seen: list[str] = []
-
-    def listener(event, _secs, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def served(engine: Engine, request: Request) -> list[int]:
     runner = InferenceRunner(engine).start(warmup=False)
     try:
