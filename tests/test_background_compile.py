@@ -68,7 +68,11 @@ def test_a_background_compiled_program_is_used_without_another_compile(compiles)
     app = create_app(InferenceRunner(engine), byte_tokenizer(), "tiny", engine.max_len)
     app.state.compiles = background.status  # as hkserve serve sets it
     app.state.context.runner.ready.set()
-    health = TestClient(app).get("/health").json
+    client = TestClient(app)
+
+    def health() -> dict:
+        return client.get("/health").json()
+
     before_ready = len(engine.programs)
     assert health() == {"status": "ok", "programs": {"mode": "background", "compiled": before_ready, "pending": 2}}
     compiles.clear()
