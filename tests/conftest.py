@@ -1,5 +1,6 @@
 """pytest fixtures only (shared helpers live in helpers.py): the golden SmolLM2 outputs, a SmolLM2 store
-pulled once per run and one compile cache per run, both shared by the pytest-xdist workers of `make test`."""
+pulled once per run and one compile cache per run, both shared by the pytest-xdist workers of `make test`;
+the compiles a test causes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import pytest
 from filelock import FileLock
 from helpers import hkserve, require_fixtures
@@ -62,3 +64,17 @@ def smollm2(smollm2_home):
     store = ModelStore(smollm2_home)
     name = "smollm2-135m-instruct"
     return store, store.info(name), store.tokenizer(name), store.params(name)
+
+
+@pytest.fixture
+def compiles():
+    """The programs XLA compiles (or loads from the persistent cache) while the test runs, one event each."""
+    seen: list[str] = []
+
+    def listener(event, _secs, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)

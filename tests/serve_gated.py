@@ -17,10 +17,10 @@ _decode_steps = 0
 _warm = False
 
 
-def gated_warmup(self) -> None:
+def gated_warmup(self, *args) -> None:
     global _warm
     sys.stdin.readline()
-    _warmup(self)  # its own steps are not counted
+    _warmup(self, *args)  # its own steps are not counted
     _warm = True
 
 

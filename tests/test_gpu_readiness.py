@@ -96,20 +96,6 @@ def test_random_llama_1b_has_real_shapes_and_is_made_in_bf16():
     assert set(tiny) == set(shapes) and set(RANDOM_CONFIGS) >= {"llama3.2-1b", "tiny-llama"}
 
 
-@pytest.fixture
-def compiles():
-    """The XLA compilations that happen while the test runs (event names, one per compiled program)."""
-    seen: list[str] = []
-
-    def listener(event, _secs, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_warmup_compiles_what_64_slots_and_long_prompts_need_and_serving_compiles_nothing(compiles):
     engine = Engine(MODEL, PARAMS, EngineOptions(slots=64, max_len=256, prefill_buckets=(8, 32)))
     assert engine.windows == (128, 256) and engine.continuation_windows() == (128, 256)

@@ -55,6 +55,7 @@ def test_a_warm_start_compiles_nothing_and_the_record_adds_up(tiny_home):  # noq
     params, kv = tiny_sizes(slots=2, max_len=128)
     for r in runs:
         assert sum(r["seconds"].values()) == pytest.approx(r["ready_s"], abs=0.01)
+        assert r["programs"]["mode"] == "background" and r["compiled_s"] >= r["ready_s"]
         assert r["seconds"]["compile"] > 0 and min(r["seconds"].values()) >= 0
         memory = r["memory"]
         assert (memory["stored_weights"], memory["served_params"], memory["kv"]) == (params, params, kv)

@@ -46,6 +46,7 @@ def create_app(
     --tool-call-parser choices ("auto": from the chat template and vocabulary)."""
     app = FastAPI(title="hkserve", docs_url=None, redoc_url=None)
     app.state.draining = False
+    app.state.compiles = None  # () -> the programs compiled / pending (hkserve serve's; /health reports it)
     app.state.failed = None  # why the engine can no longer serve (e.g. a lost host), once it cannot
     app.state.response_store = ResponseStore()  # /v1/responses' previous_response_id
     metrics = Metrics(runner.stats)

@@ -98,16 +98,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _health(port: int) -> int | None:
-    """/health's status code, or None while nothing answers."""
+def _health(port: int) -> tuple[int | None, dict]:
+    """/health's status code and body, or (None, {}) while nothing answers."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
         conn.request("GET", "/health")
-        return conn.getresponse().status
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
     except OSError:
-        return None
+        return None, {}
     finally:
         conn.close()
+
+
+def _compiled(port: int) -> bool:
+    """Whether the server has compiled every program (/health: none pending after ready)."""
+    status, body = _health(port)
+    return status == 200 and body.get("programs", {}).get("pending", 0) == 0
 
 
 @contextlib.contextmanager
@@ -120,8 +127,9 @@ def serving(
     ready_within=1800,
     extra: tuple[str, ...] = (),
 ):
-    """`hkserve serve` in a separate process on a free port, once /health says ready: yields (url, process).
-    `extra`: more of serve's flags."""
+    """`hkserve serve` in a separate process on a free port, once /health says ready and no compile is
+    pending (its background compiles would otherwise land inside the measured phases): yields (url,
+    process). `extra`: more of serve's flags."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", model, "--port", str(port)]
     cmd += ["--slots", str(slots), "--max-queue", str(max_queue), "--prefill-rows", str(prefill_rows)]
@@ -130,7 +138,7 @@ def serving(
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
         deadline = time.time() + ready_within
-        while _health(port) != 200:
+        while not _compiled(port):
             if server.poll() is not None:
                 raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
             if time.time() > deadline:

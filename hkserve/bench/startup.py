@@ -3,8 +3,10 @@ then, cold (an empty compile cache) and warm (the cache the cold start filled), 
 
 The split comes from the server's own `startup: {json}` log line (cli/startup.py): model load, weight
 packing (with the KV allocation), compiles (programs compiled here vs loaded from the cache), warm-up
-runs and the rest (imports, tokenizer, HTTP app; "other"). Its resident memory is read from /proc here
-as well, with the server's breakdown (served params, KV memory, other JAX arrays, not arrays).
+runs and the rest (imports, tokenizer, HTTP app; "other"); `compiled_s`, from its `compiled: {json}`
+line: seconds until the programs left for after ready (`serve --compile background`) were compiled too.
+Its resident memory is read from /proc here as well, with the server's breakdown (served params, KV
+memory, other JAX arrays, not arrays).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 
 from hkserve.bench.soak import process_stats
 from hkserve.checkpoint.store import ModelStore
+from hkserve.engine.background_compile import COMPILED_LINE
 
 STARTUP_LINE = "startup: "
 
@@ -70,15 +73,16 @@ def _lines(stream) -> queue.SimpleQueue:
     return lines
 
 
-def _startup_record(lines: queue.SimpleQueue, within: float) -> dict:
-    """The server's start-up record: its `startup: {json}` line (logged as /health turns 200)."""
+def _logged(lines: queue.SimpleQueue, marker: str, within: float) -> dict:
+    """The JSON of the server's next log line holding `marker` (`startup: {json}`, logged as /health turns
+    200; `compiled: {json}`, once the background compiles are done)."""
     deadline = time.monotonic() + within
     while True:
         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
         if line is None:
-            raise RuntimeError("the server exited before logging its start-up record")
-        if STARTUP_LINE in line:
-            return json.loads(line.split(STARTUP_LINE, 1)[1])
+            raise RuntimeError(f"the server exited before logging {marker.strip()!r}")
+        if marker in line:
+            return json.loads(line.split(marker, 1)[1])
 
 
 def start_once(args, weights: str, cache: str) -> dict:
@@ -99,9 +103,10 @@ def start_once(args, weights: str, cache: str) -> dict:
                 raise RuntimeError(f"serve --weights {weights} was not ready (exit code {server.poll()})")
             time.sleep(0.05)
         ready_s = time.perf_counter() - launched
-        record = _startup_record(lines, within=60)
+        record = _logged(lines, STARTUP_LINE, within=60)
         record["ready_s_client"] = round(ready_s, 3)
         record["rss_mib_client"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        record["compiled_s"] = _logged(lines, COMPILED_LINE, within=args.ready_within)["finished_s"]
         return record
     finally:
         server.send_signal(signal.SIGTERM)
@@ -117,7 +122,8 @@ def _summary(weights: str, start: str, r: dict) -> str:
     mib = {k: round(v / 2**20) for k, v in m.items()}
     parts = ", ".join(f"{k} {v:.1f}" for k, v in s.items())
     return (
-        f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}); programs {c['programs']}, "
+        f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}), all compiled {r['compiled_s']:.1f} s; "
+        f"programs {c['programs']}, "
         f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB "
         f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
         f"not arrays {mib['not_arrays']})"

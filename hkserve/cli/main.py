@@ -20,6 +20,7 @@ from hkserve.cli.loading import add_kv_arguments, add_prefix_cache_argument, add
 from hkserve.cli.sample import add_arguments as add_sample_arguments
 from hkserve.cli.sample import run
 from hkserve.cli.serve import (
+    add_compile_argument,
     add_limit_arguments,
     add_parser_arguments,
     add_step_tokens_argument,
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 or 2x4")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     add_step_tokens_argument(p)
+    add_compile_argument(p)
     p.add_argument(
         "--max-len",
         type=int,

@@ -31,7 +31,9 @@ from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine
 from hkserve.cli.startup import StartupTimeline
+from hkserve.engine.background_compile import COMPILED_LINE, MODES, Compiles
 from hkserve.engine.runner import InferenceRunner
+from hkserve.engine.warmup import COMMON_CONTEXT
 from hkserve.multihost.control import Follower, Leader
 from hkserve.multihost.hosts import HostFlags, HostGroup, LeaderEngine, exit_lost, follow
 
@@ -107,6 +109,8 @@ class ServeOptions:
     web_page: bool = True  # the chat page at / (--no-web: off)
     reasoning_parser: str = "auto"  # api/reasoning.py CHOICES
     tool_call_parser: str = "auto"  # api/tool_parsers.py CHOICES
+    compile: str = "background"  # engine/background_compile.py MODES (multi-host: always eager)
+    compile_upto: int = COMMON_CONTEXT  # the longest context whose programs compile before ready
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -125,6 +129,8 @@ class ServeOptions:
             web_page=not args.no_web,
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
+            compile=args.compile,
+            compile_upto=args.compile_upto,
         )
 
 
@@ -144,6 +150,24 @@ def add_step_tokens_argument(parser) -> None:
         help="tokens one loop pass carries: the running rows' decode tokens plus at most N - rows (padded) "
         "tokens of prompt prefill, so a long prompt is prefilled over several passes while the running "
         "streams keep decoding (default: slots + 512, the largest prefill bucket)",
+    )
+
+
+def add_compile_argument(parser) -> None:
+    parser.add_argument(
+        "--compile",
+        choices=MODES,
+        default="background",
+        help="when the programs compile: eager = all before /health turns ready; background = those of "
+        "contexts up to --compile-upto tokens before, the rest after it on a thread; lazy = the rest when a "
+        "request first needs one (it waits for that compile). Multi-host serving is always eager",
+    )
+    parser.add_argument(
+        "--compile-upto",
+        type=positive_int,
+        default=COMMON_CONTEXT,
+        metavar="TOKENS",
+        help=f"the longest context whose programs compile before ready (background, lazy; default {COMMON_CONTEXT})",
     )
 
 
@@ -225,14 +249,19 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=options.tool_call_parser,
     )
     serving.app, serving.runner = app, runner
+    mode = "eager" if hosts else options.compile  # multi-host: see background_compile.py
+    compiles = Compiles(engine, mode, options.compile_upto)
+    app.state.compiles = compiles.status
 
     def warm_up():
-        log.info("compiling prefill buckets and decode windows ...")
+        log.info("compiling prefill buckets and decode windows (%s) ...", compiles.mode)
         with timeline.phase("warmup"):
-            runner.start(warmup=True)
+            compiles.before_ready()
+            runner.start(warmup=False)
         # The timeline before the ready line: whoever waits for "ready" finds it logged.
-        log.info("startup: %s", json.dumps(timeline.report(engine)))
+        log.info("startup: %s", json.dumps({**timeline.report(engine), "programs": compiles.status()}))
         log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
+        compiles.start(on_finished=lambda: log.info("%s%s", COMPILED_LINE, json.dumps(compiled(compiles, timeline))))
 
     threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()
     config = uvicorn_config(
@@ -251,10 +280,16 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[listener])
     finally:
+        compiles.stop()
         runner.stop()
         if hosts:
             engine.close()
     return 0
+
+
+def compiled(compiles: Compiles, timeline: StartupTimeline) -> dict:
+    """The background compiles' end: its counts, and seconds from the process's start to it."""
+    return {**compiles.status(), "finished_s": round(compiles.finished_at - timeline.process_start, 3)}
 
 
 def _lead(engine, hosts, serving: types.SimpleNamespace):

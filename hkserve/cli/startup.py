@@ -17,6 +17,8 @@ import time
 import jax
 import psutil
 
+from hkserve.engine.forwarding import base_engine
+
 # JAX's monitoring events (jax/_src/dispatch.py, compiler.py, compilation_cache.py).
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -77,13 +79,6 @@ class Phase:
 
 def tree_bytes(tree) -> int:
     return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "nbytes"))
-
-
-def base_engine(engine):
-    """The Engine under its wrappers (SpeculativeEngine, LeaderEngine: ForwardsQueries.inner)."""
-    while hasattr(engine, "inner"):
-        engine = engine.inner
-    return engine
 
 
 class StartupTimeline:

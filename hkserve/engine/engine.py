@@ -25,6 +25,7 @@ from hkserve.engine.paged_slots import PagedSlots
 from hkserve.engine.prefill_rows import RowPrefill
 from hkserve.engine.prefix_cache import MODES
 from hkserve.engine.prefix_copy import EXACT_CHUNK, copy_prefix, set_table
+from hkserve.engine.programs import Program, ProgramTable, abstract
 from hkserve.engine.prompt_prefill import PromptPrefill
 from hkserve.engine.state import (
     ContextLengthError,
@@ -85,7 +86,9 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         self._size_pool(config, kv_layout, kv_cache_mb, block_size)
         self.state_shardings = state_shardings(config, self.mesh, self.kv_layout)
         self.reset()
-        self._compiled: dict = {}
+        self._specs = (abstract(self.params), abstract(self.state))  # what every lowering takes for them
+        self.programs = ProgramTable()  # every compiled program, by key (programs.py)
+        self._compiled: dict[tuple[str, int], Program] = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
 
     def spec_counts(self) -> None:
@@ -178,55 +181,49 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         out = sample(logits, state.settings, state.memory.step, self.n_top, state.history, bitmask, self.model.kernels)
         return state._replace(tokens=jnp.where(active, out.token, state.tokens)), pack(out)
 
-    def _compiled_fn(self, kind: str, attend_len: int):
-        """jit with explicit shardings; static attend_len is bound by partial (jit with in_shardings
-        takes no keyword arguments)."""
+    def _compiled_fn(self, kind: str, attend_len: int) -> Program:
+        """The program of `kind` at this window, compiled ahead of time on first use (programs.py): jit
+        with explicit shardings; static attend_len is bound by partial (jit with in_shardings takes no
+        keyword arguments)."""
         key = (kind, attend_len)
-        if key not in self._compiled:
-            rep = self._sharding()
-            if kind == "prefill":
-                fn = functools.partial(self._prefill_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep, rep)
-                out_sh = (self.state_shardings, rep)
-            elif kind == "score":
-                fn = functools.partial(self._score_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep, rep, rep)
-                out_sh = (self.state_shardings, rep, rep)
-            elif kind == "forward":  # a constrained step's halves: the host fills masks between them
-                fn = functools.partial(self._forward_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rep)
-                out_sh = (self.state_shardings, self._sharding("data", None))
-            elif kind == "masked":
-                fn = functools.partial(self._step_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rep, rep)
-                out_sh = (self.state_shardings, rep)
-            elif kind == "sample":
-                fn = self._sample_impl
-                in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
-                out_sh = (self.state_shardings, rep)
-            elif kind == "table":  # the host's block table into the (donated) state
-                # Passed replicated, like `active`: a host's numpy array may only enter a program that
-                # spans hosts replicated (every host passes the same table); the program slices it.
-                fn = set_table
-                in_sh = (self.state_shardings, rep)
-                out_sh = self.state_shardings
-                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
-                return self._compiled[key]
-            elif kind == "copy":
-                fn = copy_prefix
-                in_sh = (self.state_shardings, rep, rep, rep, rep, rep)
-                out_sh = self.state_shardings
-                self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(0,))
-                return self._compiled[key]
-            else:
-                # `active` and the sampled tokens are replicated: tiny, and every host can then
-                # pass and read them even when the slots' rows live on other hosts.
-                fn = functools.partial(self._step_impl, attend_len)
-                in_sh = (self.param_shardings, self.state_shardings, rep)
-                out_sh = (self.state_shardings, rep)
-            donate = (0,) if kind == "sample" else (1,)
-            self._compiled[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
-        return self._compiled[key]
+        program = self._compiled.get(key)
+        if program is None:  # two threads may both make one: the same name, so the same executables
+            fn, in_sh, out_sh, state_at = self._program_parts(kind, attend_len)
+            jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(state_at,))
+            params_spec, state_spec = self._specs
+            fixed = {state_at: state_spec} if state_at == 0 else {0: params_spec, 1: state_spec}
+            program = self._compiled[key] = Program(self.programs, key, jitted, fixed)
+        return program
+
+    def _program_parts(self, kind: str, attend_len: int):
+        """(function, in_shardings, out_shardings, position of the donated state) of a program."""
+        rep = self._sharding()
+        if kind == "prefill":
+            fn = functools.partial(self._prefill_impl, attend_len)
+            return fn, (self.param_shardings, self.state_shardings, *[rep] * 6), (self.state_shardings, rep), 1
+        if kind == "score":
+            fn = functools.partial(self._score_impl, attend_len)
+            return fn, (self.param_shardings, self.state_shardings, *[rep] * 7), (self.state_shardings, rep, rep), 1
+        if kind == "forward":  # a constrained step's halves: the host fills masks between them
+            fn = functools.partial(self._forward_impl, attend_len)
+            out_sh = (self.state_shardings, self._sharding("data", None))
+            return fn, (self.param_shardings, self.state_shardings, rep), out_sh, 1
+        if kind == "masked":
+            fn = functools.partial(self._step_impl, attend_len)
+            return fn, (self.param_shardings, self.state_shardings, rep, rep), (self.state_shardings, rep), 1
+        if kind == "sample":
+            in_sh = (self.state_shardings, self._sharding("data", None), rep, rep)
+            return self._sample_impl, in_sh, (self.state_shardings, rep), 0
+        if kind == "table":  # the host's block table into the (donated) state
+            # Passed replicated, like `active`: a host's numpy array may only enter a program that
+            # spans hosts replicated (every host passes the same table); the program slices it.
+            return set_table, (self.state_shardings, rep), self.state_shardings, 0
+        if kind == "copy":
+            return copy_prefix, (self.state_shardings, *[rep] * 5), self.state_shardings, 0
+        # "step": `active` and the sampled tokens are replicated: tiny, and every host can then pass
+        # and read them even when the slots' rows live on other hosts.
+        fn = functools.partial(self._step_impl, attend_len)
+        return fn, (self.param_shardings, self.state_shardings, rep), (self.state_shardings, rep), 1
 
     # -- host API -------------------------------------------------------------------------------
     def _window(self, needed: int) -> int:
@@ -250,20 +247,24 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         `source_row` [MB] is the source's block table row before `_assign` (None: as it is now); only
         the blocks dest does not share with it are copied."""
         window = self._window(len(prefix))
+        args = self._copy_args(source, dest, prefix, window, source_row)
+        self.sync_table()
+        self.state = self._compiled_fn("copy", window)(self.state, *args)
+        self.positions[dest] = len(prefix)
+
+    def _copy_args(self, source: int, dest: int, prefix: Sequence[int], window: int, source_row) -> tuple:
+        """The copy program's host arguments (after the state)."""
         tokens = np.zeros((window,), np.int32)
         tokens[: len(prefix)] = prefix
         if source_row is None:
             source_row = self.kv_pool.table[source].copy() if self.kv_pool is not None else np.zeros(1, np.int32)
-        args = (
+        return (
             tokens,
             np.asarray([source], np.int32),
             np.asarray([dest], np.int32),
             np.asarray([len(prefix)], np.int32),
             source_row,
         )
-        self.sync_table()
-        self.state = self._compiled_fn("copy", window)(self.state, *args)
-        self.positions[dest] = len(prefix)
 
     def _step_window(self, active: np.ndarray) -> int:
         needed = int(self.positions[active].max()) if active.any() else 1

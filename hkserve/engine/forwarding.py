@@ -14,6 +14,13 @@ def _query(read: Callable[[ServingEngine], object]) -> property:
     return property(lambda self: read(self.inner))
 
 
+def base_engine(engine):
+    """The Engine under its wrappers (SpeculativeEngine, LeaderEngine: ForwardsQueries.inner)."""
+    while hasattr(engine, "inner"):
+        engine = engine.inner
+    return engine
+
+
 class ForwardsQueries:
     inner: ServingEngine  # the wrapped engine, set by the wrapper
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hkserve.engine.programs import Program
 from hkserve.model.memory import reset_slot
 from hkserve.model.sampling import SamplingParams, TokenHistory, make_settings
 
@@ -47,7 +48,7 @@ class RowPrefill:
         # VQ memory keeps its own slot bookkeeping: its prompts take the one-row path.
         supported = engine.model.config.memory != "vq"
         self.rows = rows_by_bucket(engine.prefill_buckets, max_rows) if supported else {}
-        self._compiled = None
+        self._compiled: Program | None = None
 
     def program_for(self, prompt_len: int) -> tuple[int, int] | None:
         """(bucket, rows) of the rows program that takes a prompt of this length, or None (one-row path)."""
@@ -75,14 +76,18 @@ class RowPrefill:
         logits, memory = engine.model.forward(params, tokens, state.memory, lengths, slots, 0, True)  # [P, V]
         return engine._sample_first(state._replace(memory=memory), logits, slots, settings, None)  # no grammar
 
-    def _fn(self):
+    def _fn(self) -> Program:
+        """The rows program (one executable per bucket: its tokens' shape), compiled ahead of time on
+        first use in the engine's table (programs.py)."""
         if self._compiled is None:
             engine = self.engine
             rep = engine._sharding()
             in_sh = (engine.param_shardings, engine.state_shardings, rep, rep, rep, rep)
-            self._compiled = jax.jit(
+            jitted = jax.jit(
                 self._impl, in_shardings=in_sh, out_shardings=(engine.state_shardings, rep), donate_argnums=(1,)
             )
+            params_spec, state_spec = engine._specs
+            self._compiled = Program(engine.programs, ("rows", 0), jitted, {0: params_spec, 1: state_spec})
         return self._compiled
 
     def prefill(
@@ -92,31 +97,29 @@ class RowPrefill:
         sampled first tokens [P, ...], row i for prompt i. Raises ValueError before any device work
         for prompts or settings the program cannot take."""
         engine = self.engine
-        vocab = engine.model.config.vocab_size
         programs = {self.program_for(len(p)) for p in prompts}
         if None in programs or len(programs) != 1:
             raise ValueError(f"prompts of lengths {[len(p) for p in prompts]} do not share one rows program")
         bucket, p = programs.pop()
         if not 1 <= len(prompts) <= p or len(slots) != len(prompts) or len(set(slots)) != len(slots):
             raise ValueError(f"{len(prompts)} prompts for {len(slots)} distinct slots, at most {p} rows")
-        tokens = np.zeros((p, bucket), np.int32)
-        lengths = np.zeros(p, np.int32)
-        rows = np.full(p, engine.slots, np.int32)  # padding rows: an out-of-range slot
-        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
-            tokens[i, : len(prompt)], lengths[i], rows[i] = prompt, len(prompt), slot
+        args = self.args(bucket, p, slots, prompts, settings)  # a bad setting raises here, before any device work
         for slot, prompt in zip(slots, prompts):  # paged: each slot's blocks (raises before device work)
             engine._assign(slot, len(prompt))
         engine.sync_table()
-        filled = list(settings) + [None] * (p - len(prompts))
-        table = make_settings([s or SamplingParams() for s in filled], vocab)
-        engine.state, out = self._fn()(engine.params, engine.state, tokens, lengths, rows, table)
+        engine.state, out = self._fn()(engine.params, engine.state, *args)
         for slot, prompt in zip(slots, prompts):
             engine.positions[slot] = len(prompt)
             engine._cache_prompt(slot, prompt, exact=False)  # not the fixed-chunk program's KV
         return out
 
-    def warmup(self) -> None:
-        """Compile every bucket's rows program (one row into slot 0, as Engine.warmup's own prefills)."""
-        for bucket in self.rows:
-            self.engine.prefill_many([0], [[0] * bucket], [None]).read()
-            self.engine.positions[0] = 0
+    def args(self, bucket: int, p: int, slots, prompts, settings) -> tuple:
+        """The rows program's host arguments (after the params and the state): prompt i into slots[i]."""
+        engine = self.engine
+        tokens = np.zeros((p, bucket), np.int32)
+        lengths = np.zeros(p, np.int32)
+        rows = np.full(p, engine.slots, np.int32)  # padding rows: an out-of-range slot
+        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+            tokens[i, : len(prompt)], lengths[i], rows[i] = prompt, len(prompt), slot
+        filled = list(settings) + [None] * (p - len(prompts))
+        return tokens, lengths, rows, make_settings([s or SamplingParams() for s in filled], engine.vocab_size)

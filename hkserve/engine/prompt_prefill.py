@@ -38,12 +38,7 @@ class PromptPrefill:
         after each of the chunk's), the scoring program → (output, scores) instead. `generated_from`:
         the index in the chunk where the request's generated tokens start (None: none are)."""
         self.sync_table()
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, : len(piece)] = piece
-        slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
-        made = np.asarray([bucket if generated_from is None else max(generated_from, 0)], np.int32)
-        mask = self._all_allowed if row_mask is None else row_mask
-        args = (self.params, self.state, tokens, length, slot_arr, made, row, mask)
+        args = (self.params, self.state, *self._chunk_args(slot, piece, bucket, row, row_mask, generated_from))
         if following is None:
             self.state, out = self._compiled_fn("prefill", attend_len)(*args)
             return out
@@ -51,6 +46,15 @@ class PromptPrefill:
         targets[0, : len(following)] = following
         self.state, out, scored = self._compiled_fn("score", attend_len)(*args, targets)
         return out, scored
+
+    def _chunk_args(self, slot, piece, bucket, row, row_mask=None, generated_from=None) -> tuple:
+        """A chunk's host arguments to the prefill program (after the params and the state)."""
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(piece)] = piece
+        slot_arr, length = np.asarray([slot], np.int32), np.asarray([len(piece)], np.int32)
+        made = np.asarray([bucket if generated_from is None else max(generated_from, 0)], np.int32)
+        mask = self._all_allowed if row_mask is None else row_mask
+        return tokens, length, slot_arr, made, row, mask
 
     def prefill(
         self,

@@ -99,7 +99,9 @@ class ServingEngine(Protocol):
 
     def reset(self) -> None: ...
 
-    def warmup(self) -> None: ...
+    def warmup(self, upto: int | None = None) -> None:
+        """Compile the programs serving contexts up to `upto` tokens (None: all) before serving."""
+        ...
 
     def spec_counts(self) -> SpecCounts | None:
         """Speculative decoding's totals so far; None for an engine that does not speculate."""

@@ -253,10 +253,11 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
         if flight.drafting[slot]:
             self.policy.observe(slot, drafted, emitted)
 
-    def warmup(self) -> None:
-        """The Engine's programs, then a verify step per window and the context programs."""
+    def warmup(self, upto: int | None = None) -> None:
+        """The Engine's programs (those up to `upto` tokens of context: warmup.py), then a verify step per
+        window and the context programs."""
         e = self.inner
-        e.warmup()
+        e.warmup(upto)
         first = np.eye(e.slots, dtype=bool)[0]
         self._started(0, [0])
         self.context = self._fn("append")(e.state, self.context, first)

@@ -1,6 +1,6 @@
-"""GET /health (200 "ok" only when generations are taken: else 503 loading / draining / failed; with the
-paged KV layout, "ok" also reports the pool) and GET /metrics (Prometheus text). Both are open without
-the API key (access.py)."""
+"""GET /health (200 "ok" only when generations are taken: else 503 loading / draining / failed; "ok" also
+reports the programs compiled and still pending under `hkserve serve`, and with the paged KV layout the
+pool) and GET /metrics (Prometheus text). Both are open without the API key (access.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ async def health(request: Request):
     if why is not None:
         return JSONResponse({"status": why}, status_code=503)
     stats = request.app.state.context.runner.stats()
+    compiles = request.app.state.compiles
+    status = {"status": "ok", **({"programs": compiles()} if compiles is not None else {})}
     if not stats.kv_blocks_total:
-        return {"status": "ok"}
+        return status
     pool = {
         "blocks_total": stats.kv_blocks_total,
         "blocks_used": stats.kv_blocks_used,
@@ -30,7 +32,7 @@ async def health(request: Request):
         "block_size": stats.kv_block_size,
         "preemptions": stats.preemptions,
     }
-    return {"status": "ok", "kv_pool": pool}
+    return {**status, "kv_pool": pool}
 
 
 @router.get("/metrics")

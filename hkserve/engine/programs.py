@@ -1,0 +1,101 @@
+"""An engine's compiled programs, each built ahead of time (jit → lower → compile on abstract arguments)
+and kept by key, so that whoever needs one first compiles it and nobody compiles it twice.
+
+Ahead of time because a compile must never run the program nor read the live decode state: the
+warm-up, the background compiler (background_compile.py) and the runner's loop each ask for programs,
+and only the loop owns the (donated) state. The params and the state enter a lowering as their
+abstract values (shape, dtype, sharding: fixed for the engine's life), the small host arguments as
+themselves (numpy: their shape and dtype are what is compiled for). A `jax.stages.Compiled` is then
+called with the real arguments exactly as the jitted function would be: numpy inputs are put on the
+device with the program's in_shardings and the donated arguments are donated.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+
+Key = tuple[Hashable, ...]  # (name..., the host arguments' (shape, dtype) signature)
+
+
+def abstract(tree) -> Any:
+    """The arrays of `tree` as ShapeDtypeStructs with their shardings (what a lowering needs of them)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+class ProgramTable:
+    """The executables of one engine by key, thread-safe. A key is compiled once, by whoever asks
+    first; whoever asks while it compiles waits for that compile (one lock for the table, held only
+    to look up and to claim a key: the compiles themselves run unlocked, several keys at once)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._done: dict[Key, jax.stages.Compiled] = {}
+        self._building: dict[Key, Future] = {}
+
+    def __len__(self) -> int:
+        """Programs compiled so far (or loaded from the persistent compile cache)."""
+        return len(self._done)
+
+    def has(self, key: Key) -> bool:
+        return key in self._done
+
+    def get(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+        """The executable of `key`: compiled by `build` now unless it is, or is being, compiled."""
+        done = self._done.get(key)  # the loop's path once compiled: no lock
+        if done is not None:
+            return done
+        with self._lock:
+            done = self._done.get(key)
+            if done is not None:
+                return done
+            future = self._building.get(key)
+            mine = future is None
+            if mine:
+                future = self._building[key] = Future()
+        if not mine:
+            return future.result()  # another thread's compile of this key: wait for it (or its error)
+        try:
+            done = build()
+        except BaseException as e:
+            with self._lock:
+                del self._building[key]
+            future.set_exception(e)
+            raise
+        with self._lock:
+            self._done[key] = done
+            del self._building[key]
+        future.set_result(done)
+        return done
+
+
+class Program:
+    """One jitted function and its executables in the engine's table, one per signature of its host
+    arguments (a prefill's tokens [1, bucket]: one per bucket). `fixed`: the positions of the arguments
+    that are the params and the state, with their abstract values (their signature never changes)."""
+
+    def __init__(self, table: ProgramTable, name: tuple, jitted, fixed: dict[int, Any]):
+        self.table, self.name, self.jitted, self.fixed = table, name, jitted, fixed
+
+    def key(self, args: tuple) -> Key:
+        leaves = jax.tree_util.tree_leaves([a for i, a in enumerate(args) if i not in self.fixed])
+        return (*self.name, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
+
+    def compile(self, *args) -> jax.stages.Compiled:
+        """The executable for these arguments (the fixed ones may be abstract): compiled if need be,
+        nothing run."""
+        return self.table.get(self.key(args), lambda: self._lower(args).compile())
+
+    def full_args(self, host: tuple) -> tuple:
+        """The arguments of a call with these host arguments: the params and state as abstract values."""
+        return (*(self.fixed[i] for i in sorted(self.fixed)), *host)
+
+    def _lower(self, args: tuple):
+        return self.jitted.lower(*(self.fixed.get(i, a) for i, a in enumerate(args)))
+
+    def __call__(self, *args):
+        return self.compile(*args)(*args)
