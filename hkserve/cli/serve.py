@@ -30,6 +30,7 @@ from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine
+from hkserve.cli.memory import release_freed_heap
 from hkserve.cli.startup import StartupTimeline
 from hkserve.engine.runner import InferenceRunner
 from hkserve.multihost.control import Follower, Leader
@@ -230,6 +231,7 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("compiling prefill buckets and decode windows ...")
         with timeline.phase("warmup"):
             runner.start(warmup=True)
+        release_freed_heap()  # what load, packing and warm-up freed leaves RSS (cli/memory.py)
         # The timeline before the ready line: whoever waits for "ready" finds it logged.
         log.info("startup: %s", json.dumps(timeline.report(engine)))
         log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
