@@ -15,6 +15,8 @@ import ctypes.util
 import functools
 import os
 
+import psutil
+
 
 @functools.cache
 def _glibc():
@@ -29,8 +31,13 @@ def _glibc():
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "gnu_get_libc_version") else None
 
 
-def release_freed_heap() -> bool:
-    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); True when it
-    released any, False when nothing was released or the C library has no malloc_trim."""
+def release_freed_heap() -> int:
+    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim(0)); the bytes by
+    which resident memory shrank (0 where the C library has no malloc_trim)."""
     libc = _glibc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
+    if libc is None:
+        return 0
+    process = psutil.Process()
+    before = process.memory_info().rss
+    libc.malloc_trim(0)
+    return max(0, before - process.memory_info().rss)

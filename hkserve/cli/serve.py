@@ -231,7 +231,8 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("compiling prefill buckets and decode windows ...")
         with timeline.phase("warmup"):
             runner.start(warmup=True)
-        release_freed_heap()  # what load, packing and warm-up freed leaves RSS (cli/memory.py)
+        released = release_freed_heap()  # what load, packing and warm-up freed leaves RSS (cli/memory.py)
+        log.info("returned %.0f MiB of freed heap to the OS", released / 2**20)
         # The timeline before the ready line: whoever waits for "ready" finds it logged.
         log.info("startup: %s", json.dumps(timeline.report(engine)))
         log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
