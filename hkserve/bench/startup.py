@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 
+from hkserve.bench import llama_rss
 from hkserve.bench.soak import process_stats
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.background_compile import COMPILED_LINE
@@ -41,6 +42,12 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-starts", type=int, default=1, help="warm starts after each cold one")
     p.add_argument("--ready-within", type=float, default=1800, help="seconds a start may take before it fails")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    p.add_argument(
+        "--llama-gguf",
+        metavar="FILE",
+        help="also measure llama.cpp's RSS on this GGUF (llama-cpp-python, n_ctx = slots x max-len, one request) "
+        "and print each start's RSS as a ratio of it",
+    )
 
 
 def _port() -> int:
@@ -126,11 +133,29 @@ def _summary(weights: str, start: str, r: dict) -> str:
         f"programs {c['programs']}, "
         f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB "
         f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
-        f"not arrays {mib['not_arrays']})"
+        f"not arrays {mib['not_arrays']})" + (f"; {r['rss_vs_llama']:.2f}x llama.cpp's" if "rss_vs_llama" in r else "")
     )
 
 
+def _llama(args) -> dict | None:
+    """llama.cpp's RSS for the same KV capacity (bench/llama_rss.py), or None without --llama-gguf."""
+    if not args.llama_gguf:
+        return None
+    llama = llama_rss.llama_rss(args.llama_gguf, n_ctx=args.slots * args.max_len)
+    print(
+        f"llama.cpp n_ctx {llama['n_ctx']}: RSS {llama['rss_mib_after_request']:.0f} MiB after one request", flush=True
+    )
+    return llama
+
+
 def run(args) -> int:
+    if args.llama_gguf:
+        try:
+            llama_rss.check_available(args.llama_gguf)
+        except llama_rss.LlamaUnavailable as e:
+            print(f"hkserve bench startup: {e}", file=sys.stderr)
+            return 2
+    llama = _llama(args)
     runs = []
     for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
         # The variant made (and packed) once here, as `hkserve pull --weights` makes it: a conversion's
@@ -141,11 +166,13 @@ def run(args) -> int:
             for n in range(1 + args.warm_starts):
                 start = "warm" if n else "cold"
                 record = start_once(args, weights, cache)
+                if llama:
+                    record["rss_vs_llama"] = round(record["rss_mib_client"] / llama["rss_mib_after_request"], 2)
                 runs.append({"weights": weights, "start": start, **record})
                 print(_summary(weights, start, record), flush=True)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     if args.json:
         setup = {"model": args.model, "slots": args.slots, "max_len": args.max_len, "serve_args": args.serve_args}
-        print(json.dumps({**setup, "runs": runs}))
+        print(json.dumps({**setup, "runs": runs, **({"llama": llama} if llama else {})}))
     return 0
