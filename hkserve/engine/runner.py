@@ -57,6 +57,7 @@ from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
+from hkserve.engine.scheduler import Scheduler
 from hkserve.engine.spec_policy import SpecCounts
 from hkserve.engine.state import check_max_tokens
 
@@ -76,6 +77,8 @@ class InferenceRunner(Admission, Preemption):
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
         self.max_step_tokens = max_step_tokens or engine.slots + DEFAULT_PREFILL_BUCKETS[-1]
+        # the chunk sizes its budget may cut prompts into: warm-up compiles their programs
+        engine.chunk_sizes = Scheduler.chunk_sizes(engine.prefill_buckets, self.max_step_tokens, engine.slots)
         # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
         self._open: set[RequestStream] = set()  # submitted and not yet ended
