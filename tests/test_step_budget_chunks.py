@@ -18,7 +18,7 @@ from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS, EngineOptions
 from hkserve.engine.prefix_copy import Chunk, plan_chunks
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
-from hkserve.engine.scheduler import Scheduler
+from hkserve.engine.scheduler import Scheduler, default_max_step_tokens
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
@@ -48,6 +48,9 @@ def test_the_chunk_sizes_a_runner_can_pick_are_those_warmup_compiles():
     engine = FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS)
     InferenceRunner(engine, max_step_tokens=64)
     assert engine.chunk_sizes == (32, 64)
+    default = InferenceRunner(FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS))  # the CPU's default
+    assert default.max_step_tokens == 16 + 32 and default.engine.chunk_sizes == (32,)
+    assert default_max_step_tokens(16, "gpu") == 16 + 512
 
 
 def test_plan_chunks_at_a_size_pads_later_chunks_to_it_and_a_reused_suffix_tightly():

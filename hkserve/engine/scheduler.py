@@ -20,7 +20,8 @@ budget (at least the smallest bucket), so a small budget cuts a long prompt into
 running stream's gap grows by a small chunk's cost, not a 512-token one's. `plan_prefill` hands the
 budget to the prefilling requests oldest first, whole chunks at a time; a pass whose budget takes no
 chunk still runs the oldest request's next one, so a prompt always progresses (only a budget below
-rows + the smallest bucket, or the exact prefix cache's fixed chunk above it, needs that).
+rows + the smallest bucket, or the exact prefix cache's fixed chunk above it, needs that). The default
+budget (`default_max_step_tokens`) is slots + 32 on the CPU, slots + 512 elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from hkserve.engine.block_pool import BlockPool
+from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS
+
+# The default budget's prompt tokens per pass beside its decode rows, by backend: on the CPU a chunk of
+# 32 keeps a pass within ~2x a 16-row decode step's time (docs/benchmarks.md, "Prefill chunks beside
+# decode steps"); elsewhere the largest default bucket.
+DEFAULT_STEP_CHUNK = {"cpu": 32}
+
+
+def default_max_step_tokens(slots: int, backend: str) -> int:
+    """`--max-step-tokens`' default: the decode rows and one chunk of the backend's default size."""
+    return slots + DEFAULT_STEP_CHUNK.get(backend, DEFAULT_PREFILL_BUCKETS[-1])
 
 
 class Row(NamedTuple):
