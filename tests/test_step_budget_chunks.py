@@ -158,3 +158,14 @@ def test_small_chunks_reply_as_the_one_shot_prefill_alone_and_among_neighbours(l
     if layout == "paged":
         beside.engine.kv_pool.check()
         assert beside.engine.kv_pool.used == 0
+
+
+def test_warmup_compiles_the_continuation_chunks_of_every_size_the_budget_picks():
+    runner, _ = make("static", 33)  # 0 or 1 rows: 32; 2 or 3 rows: 16
+    engine = runner.engine
+    assert engine.chunk_sizes == (16, 32) and engine.windows == (128, 160)
+    # each size over the windows its later chunks start in (16 .. 144: 128 and 160; 32 .. 128: 128)
+    assert engine.continuation_programs() == [(16, 128), (16, 160), (32, 128)]
+    small, _ = make("static", 4 + 8)  # chunks of 8 only; the largest bucket stays for one-shot prefills
+    assert small.engine.chunk_sizes == (8,)
+    assert small.engine.continuation_programs() == [(8, 128), (8, 160), (32, 128)]

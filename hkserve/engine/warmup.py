@@ -28,8 +28,8 @@ class Warmup:
             return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
         if self.prefix_cache == "on":
             return [(b, w) for w in self.windows for b in self.prefill_buckets]
-        # the chunk sizes a runner's token budget picks (prompt_prefill.py), each over its windows
-        sizes = self.chunk_sizes or (self.prefill_buckets[-1],)
+        # the largest bucket (a one-shot prefill's) and the chunk sizes a runner's budget picks (prompt_prefill.py)
+        sizes = sorted({*self.chunk_sizes, self.prefill_buckets[-1]})
         return [(c, w) for c in sizes for w in self.continuation_windows(c)]
 
     def warmup(self) -> None:
