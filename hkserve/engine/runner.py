@@ -206,7 +206,8 @@ class InferenceRunner(Admission, Preemption):
     def iterate(self) -> bool:
         """One pass of the loop: end cancelled requests, admit queued ones (prefill), dispatch one step
         for the running slots, deliver the previous pass's tokens, publish stats → whether device work
-        is still in flight. Only the loop thread calls it, or a test driving a runner it never started
+        is still in flight or a prompt is part way through its chunks (either way the loop must pass
+        again at once). Only the loop thread calls it, or a test driving a runner it never started
         (that test's thread is then the loop)."""
         if self._stop.is_set():  # stopped or aborted: end everything
             self._fail_all(self._abort_error)
@@ -246,7 +247,7 @@ class InferenceRunner(Admission, Preemption):
                 self._finish(i, s.stream, "length")
         self._in_flight = dispatched
         self._publish_stats()
-        return bool(self._in_flight)
+        return bool(self._in_flight or self._prefills)  # a prompt part way through its chunks needs more passes
 
     def _remaining(self) -> np.ndarray:
         """[B] tokens each slot may still emit, the one this step samples included: its max_tokens, and
