@@ -20,7 +20,7 @@ import numpy as np
 from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.prefill_job import OneShotPrefill, PrefillJob
-from hkserve.engine.prefix_copy import Chunk
+from hkserve.engine.prefix_copy import plan_chunks, rechunk
 from hkserve.engine.requests import Event, RequestStream
 from hkserve.engine.state import ContextLengthError
 
@@ -66,11 +66,14 @@ class FakeEngine:
     prefill_chunk: int | None = None
     supports_grammars: bool = True
     chunk: int = 0  # > 0: start_prefill / continue_prefill go this many prompt tokens per chunk; 0: one-shot
+    prefill_buckets: tuple[int, ...] = ()  # the chunks a runner's budget picks from (); (chunk,)
+    chunk_sizes: tuple[int, ...] = ()  # set by the runner (protocols.py)
     step_tokens: int = 1  # positions a step writes per row, as Engine's
     kv_blocks: int = 0  # > 0: a paged layout of this many blocks (one data shard), held as the real Engine's
     block_size: int = 4
     stepping: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple] = field(default_factory=list)  # ("prefill", slot, prompt) / ("step", active slots) / ...
+    padded: list[int] = field(default_factory=list)  # the bucket of each chunk continue_prefill ran, in order
     last: list[int] = field(init=False)  # each slot's last token: the next step's input
     positions: np.ndarray = field(init=False)  # tokens in each slot's memory
     kv_layout: str = field(init=False)
@@ -81,6 +84,7 @@ class FakeEngine:
         self.last = [0] * self.slots
         self.positions = np.zeros(self.slots, np.int64)
         self.kv_layout = "paged" if self.kv_blocks else "static"
+        self.prefill_buckets = self.prefill_buckets or (self.chunk or self.max_len,)
         self._new_pool()
 
     def _new_pool(self) -> None:
@@ -127,13 +131,17 @@ class FakeEngine:
             return OneShotPrefill.start_prefill(self, slot, prompt_ids, settings, reuse, bitmask, generated)
         self.check_fits(len(prompt_ids))
         self._assign(slot, len(prompt_ids))
-        n = len(prompt_ids)
-        chunks = [Chunk(s, min(n, s + self.chunk), self.chunk, s) for s in range(0, n, self.chunk)]
+        chunks = plan_chunks(len(prompt_ids), 0, self.prefill_buckets, lambda s: s, size=self.chunk)
         return PrefillJob(slot, list(prompt_ids), settings, bitmask, generated, chunks)
+
+    def rechunk(self, job: PrefillJob, size: int) -> PrefillJob:
+        """As Engine's: the chunks still to run cut at `size` tokens (attend_len: the chunk's start)."""
+        return rechunk(job, self.prefill_buckets, lambda s: s, size) if self.chunk else job
 
     def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
         for c in job.chunks[job.done : job.done + chunks]:
             self.calls.append(("prefill_chunk", job.slot, c.start, c.end))
+            self.padded.append(c.bucket)
             self.positions[job.slot] = c.end
         done = min(job.done + chunks, len(job.chunks))
         if done < len(job.chunks) or job.result is not None:

@@ -30,7 +30,10 @@ def make_runner(layout: str = "paged", prefix_cache: str = "on", slots: int = 4,
     if blocks is not None:
         kv["kv_cache_mb"] = blocks * block_bytes(CONFIG, 16) / 2**20
     options = EngineOptions(slots=slots, max_len=384, prefill_buckets=(8, 64), prefix_cache=prefix_cache, **kv)
-    return InferenceRunner(Engine(build_model(CONFIG), F32, options), max_queue=64)  # the test's thread is the loop
+    engine = Engine(build_model(CONFIG), F32, options)
+    # the test's thread is the loop; a budget that prefills a 300-token prompt in its first pass (the
+    # tests count passes), not the CPU default's one small chunk a pass
+    return InferenceRunner(engine, max_queue=64, max_step_tokens=slots + 512)
 
 
 def submit(runner: InferenceRunner, request: Request, passes: int = 1):

@@ -165,3 +165,14 @@ def test_a_constrained_prompt_prefilled_in_chunks_beside_a_running_request_repli
     assert token_ids(events(stream)) == alone
     assert re.fullmatch("(ab|cd|ef){6}!", tokenizer.decode([t for t in alone if t != tokenizer.eos_id]))
     assert token_ids(events(running)) == list(range(3, 23))
+
+
+def test_the_loop_passes_again_while_a_prompt_is_part_way_through_its_chunks():
+    """A pass that only ran a chunk has nothing in flight, but the loop must not idle (it would wait
+    for a submit, up to a second, before the next chunk): iterate() says so."""
+    runner = InferenceRunner(FakeEngine(slots=1, chunk=8), max_step_tokens=8)
+    stream = runner.submit(Request(list(range(1, 41)), 3))  # 5 chunks, one a pass, nothing else running
+    passes = 1
+    while runner.iterate():
+        passes += 1
+    assert stream.done and token_ids(events(stream)) == [41, 42, 43] and passes == 8

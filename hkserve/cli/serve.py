@@ -149,8 +149,10 @@ def add_step_tokens_argument(parser) -> None:
         default=None,
         metavar="N",
         help="tokens one loop pass carries: the running rows' decode tokens plus at most N - rows (padded) "
-        "tokens of prompt prefill, so a long prompt is prefilled over several passes while the running "
-        "streams keep decoding (default: slots + 512, the largest prefill bucket)",
+        "tokens of prompt prefill, cut into chunks of the largest prefill bucket that fits N - rows, so a "
+        "long prompt is prefilled over several passes while the running streams keep decoding (default: "
+        "slots + 32 on the CPU, where a 32-token chunk keeps a pass within ~2x a 16-row decode step's time "
+        "(docs/benchmarks.md); slots + 512, the largest bucket, on accelerators)",
     )
 
 

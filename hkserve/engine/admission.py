@@ -6,7 +6,8 @@ table (`_slots`), the prefills in progress (`_prefills`: slot → PrefillJob), q
 dispatched prefills as flights that the loop reads one pass later, like its steps.
 
 Token-budget steps (`--max-step-tokens`): a prompt's prefill is spread over loop passes, a few chunks
-per pass (Scheduler.plan_prefill), while the running rows get a decode step every pass. A request
+per pass (Scheduler.plan_prefill), each chunk the largest prefill bucket that fits the pass's budget
+(Scheduler.chunk_size), while the running rows get a decode step every pass. A request
 whose prompt is still prefilling holds its slot (and, paged, all its prompt's blocks, reserved at
 admission) but is not among the step's rows until its last chunk has sampled its first token. The
 chunk and the decode step are two device programs dispatched back to back in the same pass, not one
@@ -166,9 +167,12 @@ class Admission:
         return [InFlight([(slot, stream)], pending, False, scores)]
 
     def _advance_prefills(self, left: int, budget: int) -> tuple[list[InFlight], int]:
-        """Dispatch prefill chunks within the `left` of this pass's `budget` (Scheduler.plan_prefill: oldest
+        """Dispatch prefill chunks within the `left` of this pass's `budget`, each job's chunks still to run
+        cut at the largest bucket the budget fits (Scheduler.chunk_size; Scheduler.plan_prefill: oldest
         first; one over it only when the pass has spent nothing yet) → the flights of the prompts now
         done, whose first token joins this pass's step, and what is left of the budget."""
+        size = Scheduler.chunk_size(self.engine.prefill_buckets, budget)  # the pass's chunk: it fits the budget
+        self._prefills = {slot: self.engine.rechunk(job, size) for slot, job in self._prefills.items()}
         queue = [Prefilling(i, self._slots[i].stream.order, job.left()) for i, job in self._prefills.items()]
         for slot, chunks in Scheduler.plan_prefill(queue, left, force=left == budget):
             left -= sum(self._prefills[slot].left()[:chunks])

@@ -30,6 +30,7 @@ class ForwardsQueries:
     vocab_size = _query(lambda e: e.vocab_size)
     prefix_cache = _query(lambda e: e.prefix_cache)
     prefill_chunk = _query(lambda e: e.prefill_chunk)
+    prefill_buckets = _query(lambda e: e.prefill_buckets)
     positions = _query(lambda e: e.positions)  # [B], mutated in place by the wrappers
     kv_layout = _query(lambda e: e.kv_layout)
     kv_pool = _query(lambda e: e.kv_pool)

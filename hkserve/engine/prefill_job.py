@@ -2,9 +2,10 @@
 
 `start_prefill` does what must happen when the request is admitted — checks, the slot's blocks for
 the whole prompt (paged: reserved up front, not chunk by chunk), the reused prefix's copy — and
-returns a PrefillJob; `continue_prefill` then dispatches its next chunks, and gives the first
-token's pending output with the last one. The chunks are exactly those a one-shot `prefill` runs
-(prefix_copy.plan_chunks, today's buckets), so the tokens are the same however they are spread.
+returns a PrefillJob planned as a one-shot `prefill` runs it (prefix_copy.plan_chunks, chunks of the
+largest bucket); before each pass the runner has the chunks still to run replanned at the bucket its
+token budget fits (`rechunk`, Scheduler.chunk_size), and `continue_prefill` then dispatches the next
+ones, giving the first token's pending output with the last one.
 
 Engines that prefill in one go (SpeculativeEngine, multihost's LeaderEngine) take OneShotPrefill:
 their job is dispatched whole by `start_prefill` and has no chunks left.
@@ -34,6 +35,8 @@ class PrefillJob(NamedTuple):
 class OneShotPrefill:
     """start_prefill / continue_prefill over an engine's own `prefill`: the whole prompt at admission."""
 
+    chunk_sizes: tuple[int, ...] = ()  # nothing to compile for a budget: no chunks
+
     def start_prefill(
         self, slot: int, prompt_ids: Sequence[int], settings=None, reuse=None, bitmask=None, generated: int = 0
     ) -> PrefillJob:
@@ -42,6 +45,9 @@ class OneShotPrefill:
             keywords["generated"] = generated
         pending = self.prefill(slot, prompt_ids, settings, **keywords)
         return PrefillJob(slot, list(prompt_ids), settings, bitmask, generated, [], 0, pending)
+
+    def rechunk(self, job: PrefillJob, size: int) -> PrefillJob:
+        return job
 
     def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:
         return job

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import Reuse
 from hkserve.model.memory import KVMemory
 from hkserve.model.paged_memory import PagedKVMemory
@@ -32,29 +33,47 @@ class Chunk(NamedTuple):
 
 
 def plan_chunks(
-    n: int, start: int, buckets: Sequence[int], window: Callable[[int], int], fixed: int | None = None
+    n: int,
+    start: int,
+    buckets: Sequence[int],
+    window: Callable[[int], int],
+    fixed: int | None = None,
+    size: int | None = None,
+    origin: int | None = None,
 ) -> list[Chunk]:
     """Chunks prefilling prompt positions [start, n).
 
     fixed: chunks of exactly `fixed` tokens at multiples of it (`start` must be one), so that any
-    position's KV is computed through the same program whether or not a prefix was reused. Else the
-    largest bucket bounds a chunk; an uncached prompt's first chunk is padded to the smallest bucket
-    holding it and its later ones to the largest (one program per window), and a suffix after a reused
-    prefix is padded chunk by chunk to the smallest bucket holding it (short suffixes stay cheap).
+    position's KV is computed through the same program whether or not a prefix was reused. Else
+    chunks of `size` tokens (a bucket; None: the largest, the one-shot prefill's): an uncached prompt's
+    first chunk is padded to the smallest bucket holding it and its later ones to `size` (one program
+    per size and window), and a suffix after a reused prefix (`origin`, where the prefill began, > 0;
+    None: `start`) is padded chunk by chunk to the smallest bucket holding it (short suffixes stay cheap).
     """
     if fixed:
         if start % fixed:
             raise ValueError(f"a fixed-chunk prefill starts at a multiple of {fixed}, not {start}")
         return [Chunk(s, min(n, s + fixed), fixed, window(s) if s else 0) for s in range(start, n, fixed)]
-    largest = buckets[-1]
+    size = size or buckets[-1]
+    origin = start if origin is None else origin
     chunks = []
-    for s in range(start, n, largest):
-        e = min(n, s + largest)
-        if s and not start:
-            chunks.append(Chunk(s, e, largest, window(s)))
+    for s in range(start, n, size):
+        e = min(n, s + size)
+        if s and not origin:
+            chunks.append(Chunk(s, e, size, window(s)))
         else:
             chunks.append(Chunk(s, e, buckets[bisect.bisect_left(buckets, e - s)], window(s) if s else 0))
     return chunks
+
+
+def rechunk(job: PrefillJob, buckets: Sequence[int], window: Callable[[int], int], size: int) -> PrefillJob:
+    """The job with the chunks it has still to run planned again at `size` tokens (the pass's budget's
+    chunk: Scheduler.chunk_size), from where its prefill has reached; the chunks run so far stay."""
+    if job.done == len(job.chunks):
+        return job
+    start = job.chunks[job.done].start
+    plan = plan_chunks(len(job.prompt_ids), start, buckets, window, size=size, origin=job.chunks[0].start)
+    return job._replace(chunks=job.chunks[: job.done] + plan)
 
 
 def check_reuse(

@@ -1,7 +1,12 @@
 """The Engine's prompt prefill (a mixin of Engine, engine.py): a prompt into a slot in chunks of the
 prefill buckets (prefix_copy.plan_chunks), its first token sampled by the last chunk; whole (`prefill`,
-`score_prefill`) or spread over the runner's loop passes (`start_prefill` / `continue_prefill`,
-prefill_job.py). Both run the same chunks through the same programs, so they give the same tokens.
+`score_prefill`: chunks of the largest bucket) or spread over the runner's loop passes (`start_prefill`
+/ `continue_prefill`, prefill_job.py), where each pass may replan the chunks still to run at the
+bucket its token budget fits (`rechunk`). Spread at the largest bucket, a prefill runs the one-shot
+chunks through the same programs (the same bits); at a smaller chunk its KV is the same computation
+cut at other places, whose float rounding may differ in the last bits (greedy replies tested equal:
+tests/test_step_budget_chunks.py). In the prefix cache's exact mode every prefill keeps its one fixed
+chunk (EXACT_CHUNK), whatever the budget, so a reused prefix's KV stays bit-identical to its own.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ import numpy as np
 from hkserve.engine.outputs import PendingScores, PendingTokens
 from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import Reuse
-from hkserve.engine.prefix_copy import check_reuse, plan_chunks
+from hkserve.engine.prefix_copy import check_reuse, plan_chunks, rechunk
 from hkserve.engine.state import DecodeStateLost
 from hkserve.model.sampling import SamplingParams, make_settings
 
 
 class PromptPrefill:
     """Engine's prefill entry points; Engine provides the state, programs and paged blocks."""
+
+    # The chunk sizes (buckets) that a runner's token budget may pick for the continuation chunks of a
+    # prompt (Scheduler.chunk_sizes), set by the runner before warm-up compiles them; (): the largest.
+    chunk_sizes: tuple[int, ...] = ()
 
     def _prefill_chunk(
         self,
@@ -130,6 +139,11 @@ class PromptPrefill:
         if done == len(job.chunks):  # its full blocks become findable (paged_slots.py; a scoring prefill's: "on" only)
             self._cache_prompt(job.slot, ids, exact=scores is None)
         return job._replace(done=done, result=PendingTokens(out) if done == len(job.chunks) else None)
+
+    def rechunk(self, job: PrefillJob, size: int) -> PrefillJob:
+        """The job's chunks still to run, planned at `size` tokens (a bucket in `chunk_sizes`: its
+        programs are warm); the fixed chunks of the exact mode stay as they are."""
+        return job if self.prefill_chunk else rechunk(job, self.prefill_buckets, self._window, size)
 
     @contextlib.contextmanager
     def _guarded(self):

@@ -49,6 +49,8 @@ class ServingEngine(Protocol):
     vocab_size: int  # the model's vocabulary: the width of logits and of grammar masks ([B, ceil(V/32)])
     prefix_cache: str  # prefix_cache.MODES: how the runner places prompts into slots
     prefill_chunk: int | None  # the fixed prefill chunk of prefix_cache "exact" (the reuse granule), else None
+    prefill_buckets: tuple[int, ...]  # the prompt lengths prefill programs take, ascending
+    chunk_sizes: tuple[int, ...]  # the buckets a prompt's later chunks may take (set by the runner before warmup)
     step_tokens: int  # positions one step may write per row: 1, or k+1 for a speculating engine
     supports_grammars: bool  # whether step_forward / step_sample and a first-token bitmask are honoured
     positions: np.ndarray  # [B] host mirror of each slot's position
@@ -72,6 +74,10 @@ class ServingEngine(Protocol):
     def start_prefill(self, slot, prompt_ids, settings=None, reuse=None, bitmask=None, generated=0) -> PrefillJob:
         """`prefill` (the same arguments) spread over loop passes (prefill_job.py): its admission's part
         now, its chunks by `continue_prefill`."""
+        ...
+
+    def rechunk(self, job: PrefillJob, size: int) -> PrefillJob:
+        """The job with its chunks still to run planned at `size` tokens (one of `chunk_sizes`)."""
         ...
 
     def continue_prefill(self, job: PrefillJob, chunks: int) -> PrefillJob:

@@ -46,17 +46,18 @@ import logging
 import threading
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from hkserve.engine.admission import Admission, InFlight, SlotState
 from hkserve.engine.constrained import SlotGrammars
-from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS
 from hkserve.engine.outputs import ScoredToken, Token
 from hkserve.engine.preemption import Preemption
 from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
+from hkserve.engine.scheduler import Scheduler, default_max_step_tokens
 from hkserve.engine.spec_policy import SpecCounts
 from hkserve.engine.state import check_max_tokens
 
@@ -68,14 +69,16 @@ class InferenceRunner(Admission, Preemption):
 
     def __init__(self, engine: ServingEngine, max_queue: int = 64, max_step_tokens: int | None = None):
         """`max_step_tokens`: the tokens one pass carries, its decode rows' and its prompt chunks' (padded)
-        together (admission.py); None: slots + the largest default prefill bucket, so a pass always
-        has room for the decode rows and one whole chunk."""
+        together (admission.py); None: slots + the backend's default chunk (scheduler.py: 32 on the
+        CPU, else 512), so a pass always has room for the decode rows and one chunk of that size."""
         self.engine = engine
         self.max_queue = max_queue
         self.vocab_size = engine.vocab_size
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
-        self.max_step_tokens = max_step_tokens or engine.slots + DEFAULT_PREFILL_BUCKETS[-1]
+        self.max_step_tokens = max_step_tokens or default_max_step_tokens(engine.slots, jax.default_backend())
+        # the chunk sizes its budget may cut prompts into: warm-up compiles their programs
+        engine.chunk_sizes = Scheduler.chunk_sizes(engine.prefill_buckets, self.max_step_tokens, engine.slots)
         # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
         self._open: set[RequestStream] = set()  # submitted and not yet ended
@@ -203,7 +206,8 @@ class InferenceRunner(Admission, Preemption):
     def iterate(self) -> bool:
         """One pass of the loop: end cancelled requests, admit queued ones (prefill), dispatch one step
         for the running slots, deliver the previous pass's tokens, publish stats → whether device work
-        is still in flight. Only the loop thread calls it, or a test driving a runner it never started
+        is still in flight or a prompt is part way through its chunks (either way the loop must pass
+        again at once). Only the loop thread calls it, or a test driving a runner it never started
         (that test's thread is then the loop)."""
         if self._stop.is_set():  # stopped or aborted: end everything
             self._fail_all(self._abort_error)
@@ -243,7 +247,7 @@ class InferenceRunner(Admission, Preemption):
                 self._finish(i, s.stream, "length")
         self._in_flight = dispatched
         self._publish_stats()
-        return bool(self._in_flight)
+        return bool(self._in_flight or self._prefills)  # a prompt part way through its chunks needs more passes
 
     def _remaining(self) -> np.ndarray:
         """[B] tokens each slot may still emit, the one this step samples included: its max_tokens, and

@@ -15,16 +15,33 @@ oldest always advances and no request waits forever.
 
 Token-budget steps (`--max-step-tokens`, step 4): a pass carries the running rows' decode tokens and
 at most `max_step_tokens - rows` tokens of prompt prefill, counted as the chunks' padded buckets (what
-the device computes). `plan_prefill` hands that budget to the prefilling requests oldest first, whole
-chunks at a time; a pass whose budget takes no chunk still runs the oldest request's next one, so a
-prompt always progresses (the default budget, slots + the largest bucket, never needs that).
+the device computes). A pass's chunks are of `chunk_size`: the largest prefill bucket that fits that
+budget (at least the smallest bucket), so a small budget cuts a long prompt into small chunks and a
+running stream's gap grows by a small chunk's cost, not a 512-token one's. `plan_prefill` hands the
+budget to the prefilling requests oldest first, whole chunks at a time; a pass whose budget takes no
+chunk still runs the oldest request's next one, so a prompt always progresses (only a budget below
+rows + the smallest bucket, or the exact prefix cache's fixed chunk above it, needs that). The default
+budget (`default_max_step_tokens`) is slots + 32 on the CPU, slots + 512 elsewhere.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from hkserve.engine.block_pool import BlockPool
+from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS
+
+# The default budget's prompt tokens per pass beside its decode rows, by backend: on the CPU a chunk of
+# 32 keeps a pass within ~2x a 16-row decode step's time (docs/benchmarks.md, "Prefill chunks beside
+# decode steps"); elsewhere the largest default bucket.
+DEFAULT_STEP_CHUNK = {"cpu": 32}
+
+
+def default_max_step_tokens(slots: int, backend: str) -> int:
+    """`--max-step-tokens`' default: the decode rows and one chunk of the backend's default size."""
+    return slots + DEFAULT_STEP_CHUNK.get(backend, DEFAULT_PREFILL_BUCKETS[-1])
 
 
 class Row(NamedTuple):
@@ -81,6 +98,18 @@ class Scheduler:
         """The free slots whose shard can take a request needing `tokens` positions now, beside every
         running row's promise (`BlockPool.reserve`), once idle slots' cached blocks are evicted."""
         return [s for s in free if self.pool.fits_evicting_idle(s, tokens)]
+
+    @staticmethod
+    def chunk_size(buckets: Sequence[int], budget: int) -> int:
+        """The chunk a pass with `budget` prompt tokens cuts prompts into: the largest of the (ascending)
+        `buckets` that fits it, else the smallest."""
+        return buckets[max(bisect.bisect_right(buckets, budget) - 1, 0)]
+
+    @staticmethod
+    def chunk_sizes(buckets: Sequence[int], max_step_tokens: int, slots: int) -> tuple[int, ...]:
+        """Every chunk size a runner of `max_step_tokens` over `slots` can pick: a pass with a prompt
+        still prefilling decodes 0 .. slots - 1 rows (the prompt's own slot is not one of them)."""
+        return tuple(sorted({Scheduler.chunk_size(buckets, max_step_tokens - rows) for rows in range(slots)}))
 
     @staticmethod
     def plan_prefill(prefilling: list[Prefilling], budget: int, force: bool = True) -> list[tuple[int, int]]:

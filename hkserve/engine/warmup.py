@@ -35,9 +35,9 @@ class ProgramCall(NamedTuple):
 class Warmup:
     """The compiled programs' inventory and their compiles (see the module docstring)."""
 
-    def continuation_windows(self) -> tuple[int, ...]:
-        """Windows that the later chunks of a prompt longer than the largest bucket attend over."""
-        chunk = self.prefill_buckets[-1]
+    def continuation_windows(self, chunk: int | None = None) -> tuple[int, ...]:
+        """Windows that the later chunks (of `chunk` tokens; None: the largest bucket) of a prompt attend over."""
+        chunk = chunk or self.prefill_buckets[-1]
         return tuple(sorted({self._window(start) for start in range(chunk, self.max_len, chunk)}))
 
     def continuation_programs(self) -> list[tuple[int, int]]:
@@ -48,7 +48,9 @@ class Warmup:
             return [(chunk, w) for w in sorted({self._window(s) for s in range(chunk, self.max_len, chunk)})]
         if self.prefix_cache == "on":
             return [(b, w) for w in self.windows for b in self.prefill_buckets]
-        return [(self.prefill_buckets[-1], w) for w in self.continuation_windows()]
+        # the largest bucket (a one-shot prefill's) and the chunk sizes a runner's budget picks (prompt_prefill.py)
+        sizes = sorted({*self.chunk_sizes, self.prefill_buckets[-1]})
+        return [(c, w) for c in sizes for w in self.continuation_windows(c)]
 
     def program_calls(self) -> list[ProgramCall]:
         """Every program serving may need (len(buckets) + 2 × len(windows), whatever the number of slots,
