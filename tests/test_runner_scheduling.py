@@ -15,7 +15,8 @@ from hkserve.engine.runner import InferenceRunner, RunnerStats
 
 
 def make(slots: int = 1, **kwargs) -> tuple[FakeEngine, InferenceRunner]:
-    engine_args = {k: kwargs.pop(k) for k in ("max_len", "strict_fits", "prefill_rows", "chunk") if k in kwargs}
+    keys = ("max_len", "strict_fits", "prefill_rows", "chunk", "prefill_buckets")
+    engine_args = {k: kwargs.pop(k) for k in keys if k in kwargs}
     engine = FakeEngine(slots=slots, **engine_args)
     return engine, InferenceRunner(engine, **kwargs)
 
@@ -33,7 +34,8 @@ def prefills(engine: FakeEngine) -> list[tuple[int, list[int]]]:
 
 
 def test_the_step_token_budget_admits_in_order_and_at_least_one_prompt_per_iteration():
-    engine, runner = make(slots=4, max_step_tokens=10)
+    """Buckets of at most 8: a pass that decodes nothing takes max(budget, the largest bucket) = 10."""
+    engine, runner = make(slots=4, max_step_tokens=10, prefill_buckets=(8,))
     streams = [runner.submit(Request([i] * 4, 2)) for i in range(4)]
     runner.iterate()  # 4 + 4 + 4 tokens: the third prompt crosses the budget, the fourth waits
     assert prefills(engine) == [(0, [0] * 4), (1, [1] * 4), (2, [2] * 4)]
@@ -43,13 +45,19 @@ def test_the_step_token_budget_admits_in_order_and_at_least_one_prompt_per_itera
     drain(runner)
     assert [token_ids(events(s)) for s in streams] == [[i + 1, i + 2] for i in range(4)]
 
-    engine, runner = make(slots=2, max_step_tokens=10)
+    engine, runner = make(slots=2, max_step_tokens=10, prefill_buckets=(8,))
     runner.submit(Request([7] * 30, 1))  # longer than the budget: admitted alone
     runner.submit(Request([8] * 2, 1))
     runner.iterate()
     assert prefills(engine) == [(0, [7] * 30)]
     runner.iterate()
     assert prefills(engine)[1:] == [(1, [8] * 2)]
+
+    engine, runner = make(slots=4, max_step_tokens=10, prefill_buckets=(8, 16))  # an idle pass: 16
+    for i in range(4):
+        runner.submit(Request([i] * 4, 2))
+    runner.iterate()
+    assert prefills(engine) == [(i, [i] * 4) for i in range(4)]  # 4 + 4 + 4 crosses 10 but not 16
 
 
 def test_short_prompts_admitted_together_are_prefilled_in_groups_and_each_gets_its_own_row():

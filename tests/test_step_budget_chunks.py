@@ -40,16 +40,22 @@ def test_the_chunk_is_the_largest_bucket_within_the_budget():
             assert size == buckets[0]
 
 
+def test_a_pass_that_decodes_nothing_takes_at_least_the_largest_bucket():
+    """Nobody to stall: a prompt at an idle server goes in the fewest passes (each reads every weight)."""
+    assert [Scheduler.pass_budget(48, rows, BUCKETS) for rows in (0, 1, 16)] == [512, 47, 32]
+    assert Scheduler.pass_budget(2000, 0, BUCKETS) == 2000 and Scheduler.pass_budget(10, 0, (8,)) == 10
+
+
 def test_the_chunk_sizes_a_runner_can_pick_are_those_warmup_compiles():
-    assert Scheduler.chunk_sizes(BUCKETS, 64, 16) == (32, 64)  # 0 rows: 64; 1..15 rows: 63..49
-    assert Scheduler.chunk_sizes(BUCKETS, 16 + 64, 16) == (64,)  # slots + a bucket: always that bucket
+    assert Scheduler.chunk_sizes(BUCKETS, 64, 16) == (32, 512)  # 0 rows: 512; 1..15 rows: 63..49
+    assert Scheduler.chunk_sizes(BUCKETS, 16 + 64, 16) == (64, 512)  # slots + a bucket: that bucket beside rows
     assert Scheduler.chunk_sizes(BUCKETS, 4 + 512, 4) == (512,)
-    assert Scheduler.chunk_sizes(BUCKETS, 8, 3) == (16,)
+    assert Scheduler.chunk_sizes(BUCKETS, 8, 3) == (16, 512)
     engine = FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS)
     InferenceRunner(engine, max_step_tokens=64)
-    assert engine.chunk_sizes == (32, 64)
+    assert engine.chunk_sizes == (32, 512)
     default = InferenceRunner(FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS))  # the CPU's default
-    assert default.max_step_tokens == 16 + 32 and default.engine.chunk_sizes == (32,)
+    assert default.max_step_tokens == 16 + 32 and default.engine.chunk_sizes == (32, 512)
     assert default_max_step_tokens(16, "gpu") == 16 + 512
 
 
@@ -100,10 +106,11 @@ def test_a_long_prompt_beside_16_rows_goes_in_chunks_within_the_budget():
     assert engine.calls[-1] == ("step", list(range(17)))  # its first token joined the step
 
 
-@pytest.mark.parametrize(("rows", "budget", "want"), [(0, 64, [64] * 5), (4, 64, [32] * 10), (2, 300, [256, 256])])
+@pytest.mark.parametrize(("rows", "budget", "want"), [(0, 64, [512]), (4, 64, [32] * 10), (2, 300, [256, 256])])
 def test_the_chunk_follows_the_rows(rows, budget, want):
+    """No rows decoding: the pass takes the largest bucket (the whole 300-token prompt in one chunk)."""
     _, padded, _ = long_prefill_among_rows(rows, budget)
-    assert padded == want and all(p <= max(budget - rows, BUCKETS[0]) for p in padded)
+    assert padded == want and all(p <= max(Scheduler.pass_budget(budget, rows, BUCKETS), BUCKETS[0]) for p in padded)
 
 
 def test_a_budget_below_the_smallest_bucket_still_prefills_one_smallest_chunk_a_pass():
@@ -146,9 +153,9 @@ def test_small_chunks_reply_as_the_one_shot_prefill_alone_and_among_neighbours(l
     want_mixed = run(one_shot, mixed)
     assert [c.bucket for n, c in whole if n == 130] == [32] * 10  # alone, then among the neighbours
 
-    alone, chunks = make(layout, 4 + 16)  # alone: 20 → chunks of 16
+    alone, chunks = make(layout, 4 + 16)  # alone: nothing decodes, so the largest bucket (32), not 20's 16
     assert run(alone, [LONG])[0] == want_alone
-    assert [c.bucket for _, c in chunks] == [16] * 9 and chunks[-1][1].end == 130
+    assert [c.bucket for _, c in chunks] == [32] * 5 and chunks[-1][1].end == 130
 
     beside, chunks = make(layout, 33)  # 0 rows: 32; 1..3 rows: 16
     got = run(beside, mixed)
@@ -166,6 +173,6 @@ def test_warmup_compiles_the_continuation_chunks_of_every_size_the_budget_picks(
     assert engine.chunk_sizes == (16, 32) and engine.windows == (128, 160)
     # each size over the windows its later chunks start in (16 .. 144: 128 and 160; 32 .. 128: 128)
     assert engine.continuation_programs() == [(16, 128), (16, 160), (32, 128)]
-    small, _ = make("static", 4 + 8)  # chunks of 8 only; the largest bucket stays for one-shot prefills
-    assert small.engine.chunk_sizes == (8,)
+    small, _ = make("static", 4 + 8)  # chunks of 8 beside rows, of the largest bucket alone
+    assert small.engine.chunk_sizes == (8, 32)
     assert small.engine.continuation_programs() == [(8, 128), (8, 160), (32, 128)]

@@ -216,7 +216,7 @@ class InferenceRunner(Admission, Preemption):
         self._sweep_cancelled()
         self._fit_step()  # paged: the running rows' next blocks, preempting the newest when they run out
         decoding = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]
-        admitted = self._admit(self.max_step_tokens - len(decoding))
+        admitted = self._admit(Scheduler.pass_budget(self.max_step_tokens, len(decoding), self.engine.prefill_buckets))
         dispatched = list(admitted)
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
         stepping = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]

@@ -21,7 +21,8 @@ running stream's gap grows by a small chunk's cost, not a 512-token one's. `plan
 budget to the prefilling requests oldest first, whole chunks at a time; a pass whose budget takes no
 chunk still runs the oldest request's next one, so a prompt always progresses (only a budget below
 rows + the smallest bucket, or the exact prefix cache's fixed chunk above it, needs that). The default
-budget (`default_max_step_tokens`) is slots + 32 on the CPU, slots + 512 elsewhere.
+budget (`default_max_step_tokens`) is slots + 32 on the CPU, slots + 512 elsewhere; a pass with no
+decode row takes at least the largest bucket (`pass_budget`: nobody to stall).
 """
 
 from __future__ import annotations
@@ -106,10 +107,19 @@ class Scheduler:
         return buckets[max(bisect.bisect_right(buckets, budget) - 1, 0)]
 
     @staticmethod
+    def pass_budget(max_step_tokens: int, rows: int, buckets: Sequence[int]) -> int:
+        """A pass's prompt tokens beside `rows` decode rows: what `max_step_tokens` leaves them, or, in a
+        pass that decodes nothing (no stream to stall), at least the largest bucket, so a prompt arriving
+        at an idle server is prefilled in the fewest passes (each pass reads every weight once)."""
+        budget = max_step_tokens - rows
+        return budget if rows else max(budget, buckets[-1])
+
+    @staticmethod
     def chunk_sizes(buckets: Sequence[int], max_step_tokens: int, slots: int) -> tuple[int, ...]:
         """Every chunk size a runner of `max_step_tokens` over `slots` can pick: a pass with a prompt
         still prefilling decodes 0 .. slots - 1 rows (the prompt's own slot is not one of them)."""
-        return tuple(sorted({Scheduler.chunk_size(buckets, max_step_tokens - rows) for rows in range(slots)}))
+        budgets = (Scheduler.pass_budget(max_step_tokens, rows, buckets) for rows in range(slots))
+        return tuple(sorted({Scheduler.chunk_size(buckets, b) for b in budgets}))
 
     @staticmethod
     def plan_prefill(prefilling: list[Prefilling], budget: int, force: bool = True) -> list[tuple[int, int]]:
