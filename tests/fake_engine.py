@@ -219,7 +219,7 @@ class FakeEngine:
         self.positions[:] = 0
         self._new_pool()
 
-    def warmup(self) -> None:
+    def warmup(self, upto: int | None = None) -> None:
         self.calls.append(("warmup",))
 
 

@@ -40,13 +40,15 @@ def check_warm_start_compiles_nothing(runs: list[dict]) -> None:
 
 def tiny_sizes(slots: int, max_len: int) -> tuple[int, int]:
     """(f32 param bytes, KV memory bytes) of tiny-llama-tied, from its HF config: tied embeddings, no biases;
-    K and V of every layer, slot and position, plus each slot's int32 step."""
+    K and V of every layer, slot and position (the default paged pool holds slots x max_len positions in
+    blocks of 32), plus each slot's int32 step and its row of the int32 block table."""
     c = json.loads((require_fixtures() / "hf" / "tiny-llama-tied" / "config.json").read_text())
     d, f, hd, layers = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_hidden_layers"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     per_layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
     params = c["vocab_size"] * d + layers * per_layer + d
-    return 4 * params, 4 * (layers * 2 * slots * max_len * kv + slots)
+    table = slots * -(-max_len // 32)
+    return 4 * params, 4 * (layers * 2 * slots * max_len * kv + slots + table)
 
 
 def test_a_warm_start_compiles_nothing_and_the_record_adds_up(tiny_home):  # noqa: F811

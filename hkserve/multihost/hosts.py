@@ -202,7 +202,12 @@ class LeaderEngine(OneShotPrefill, ForwardsQueries):
         self._leader.broadcast(_call("reset"))
         self.inner.reset()
 
-    def warmup(self) -> None:
+    def warmup(self, upto: int | None = None) -> None:
+        """Every program, on every host, before ready: a follower compiles only when host 0's call reaches
+        it, so a cut would make it compile inside a collective host 0 already entered
+        (background_compile.py)."""
+        if upto is not None:
+            raise ValueError("multi-host serving compiles every program before ready (--compile eager)")
         self._leader.broadcast(_call("warmup"))
         self.inner.warmup()
 
