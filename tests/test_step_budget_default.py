@@ -111,13 +111,14 @@ def test_queued_prompts_at_64_busy_rows_are_prefilled_within_a_bounded_number_of
 
 
 def test_warmup_compiles_every_chunk_size_the_default_picks(cpu):
-    """The tiny model's Engine (no compile): 40 slots, buckets 16/32/64 → chunks of 32 beside 1..32 rows,
-    64 beside 33..39 and alone; each in the continuation programs over every window its chunks start in."""
-    options = EngineOptions(slots=40, max_len=160, prefill_buckets=(16, 32, 64), kv_layout="static")
+    """The tiny model's Engine (no compile): 40 slots, buckets 16 .. 128 → chunks of 32 beside 1..32 rows,
+    64 beside 33..39, 128 alone; each in the continuation programs over every window its chunks start in."""
+    buckets = (16, 32, 64, 128)
+    options = EngineOptions(slots=40, max_len=320, prefill_buckets=buckets, kv_layout="static")
     runner = InferenceRunner(Engine(build_model(CONFIG), F32, options))
     engine, budget = runner.engine, runner.step_budget
-    picked = {Scheduler.chunk_size((16, 32, 64), budget.prompt_tokens(rows, (16, 32, 64))) for rows in range(40)}
-    assert picked == set(engine.chunk_sizes) == {32, 64}
+    picked = {Scheduler.chunk_size(buckets, budget.prompt_tokens(rows, buckets)) for rows in range(40)}
+    assert picked == {32, 64, 128} == set(engine.chunk_sizes)
     programs = engine.continuation_programs()
     for size in picked:
         assert {w for c, w in programs if c == size} == set(engine.continuation_windows(size)) != set()
