@@ -25,8 +25,9 @@ at least the largest bucket (nobody to stall).
 
 The budget: `--max-step-tokens N` gives a pass N - rows prompt tokens. Without it (`default_step_budget`),
 elsewhere than on the CPU a pass gets slots + 512 - rows (a chunk of the largest bucket beside any
-rows); on the CPU it gets the smallest bucket holding max(32, rows) (`StepBudget.floor`): one chunk of
-32 up to 32 rows, of 64 up to 64, and so on. On the CPU a decode step's cost grows with its rows
+rows); on the CPU it gets max(32, rows) (`StepBudget.floor`) rounded up to whole chunks of the largest
+bucket within it, less than twice that (with the default buckets, the smallest bucket holding it): one
+chunk of 32 beside up to 32 rows, of 64 beside 33..64, and so on. On the CPU a decode step's cost grows with its rows
 (compute-bound from ~16 rows in float32) and a chunk's with its tokens, so a chunk that grows with the
 rows keeps a pass with a chunk within ~2x the step alone at 16 and at 64 rows (docs/benchmarks.md,
 "Prefill chunks beside decode steps") while a crowded server prefills at least one prompt token per
@@ -52,7 +53,7 @@ class StepBudget(NamedTuple):
     """A loop pass's prompt tokens beside its decode rows (see the module docstring)."""
 
     total: int | None  # --max-step-tokens: decode rows + prompt tokens a pass; None: by the rows
-    floor: int = CPU_STEP_FLOOR  # total None: the smallest bucket holding max(floor, rows)
+    floor: int = CPU_STEP_FLOOR  # total None: max(floor, rows) prompt tokens, in whole chunks
 
     def prompt_tokens(self, rows: int, buckets: Sequence[int]) -> int:
         """A pass's prompt tokens beside `rows` decode rows; in a pass that decodes nothing (no stream to
@@ -60,10 +61,10 @@ class StepBudget(NamedTuple):
         fewest passes (each pass reads every weight once)."""
         if self.total is not None:
             budget = self.total - rows
-        else:  # the smallest bucket holding max(floor, rows); past the largest, whole multiples of it
+        else:  # max(floor, rows) rounded up to whole chunks of the largest bucket within it: under 2x it
             need = max(self.floor, rows)
-            i = bisect.bisect_left(buckets, need)
-            budget = buckets[i] if i < len(buckets) else -(-need // buckets[-1]) * buckets[-1]
+            chunk = Scheduler.chunk_size(buckets, need)
+            budget = -(-need // chunk) * chunk
         return budget if rows else max(budget, buckets[-1])
 
 
