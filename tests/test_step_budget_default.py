@@ -94,9 +94,8 @@ def test_queued_prompts_at_64_busy_rows_are_prefilled_within_a_bounded_number_of
     queued = [runner.submit(Request([(5 * i + k) % 90 for i in range(200)], 2)) for k in range(4)]
     admitted_at, first_at = {}, {}
     for n in range(1, 17):
-        before = [len(token_ids(events(s))) for s in running]
         runner.iterate()
-        assert all(len(token_ids(events(s))) == b + 1 for s, b in zip(running, before))  # a token each pass
+        assert all(len(token_ids(events(s))) == 1 for s in running)  # a token each pass (events drains)
         for k, stream in enumerate(queued):
             if k not in admitted_at and any(s is not None and s.stream is stream for s in runner._slots):
                 admitted_at[k] = n

@@ -151,7 +151,7 @@ def add_step_tokens_argument(parser) -> None:
         help="tokens one loop pass carries: the running rows' decode tokens plus at most N - rows (padded) "
         "tokens of prompt prefill, cut into chunks of the largest prefill bucket that fits N - rows, so a "
         "long prompt is prefilled over several passes while the running streams keep decoding (default: on "
-        "the CPU no fixed N: a pass's prompt tokens are the smallest bucket holding max(32, rows), so a pass "
+        "the CPU no fixed N: a pass's prompt tokens are max(32, rows) in whole chunks, so a pass "
         "with a chunk stays within ~2x the decode step alone at 16 and 64 rows and a crowded server keeps "
         "admitting (docs/benchmarks.md); slots + 512, the largest bucket, on accelerators)",
     )

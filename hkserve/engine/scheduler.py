@@ -27,12 +27,13 @@ The budget: `--max-step-tokens N` gives a pass N - rows prompt tokens. Without i
 elsewhere than on the CPU a pass gets slots + 512 - rows (a chunk of the largest bucket beside any
 rows); on the CPU it gets max(32, rows) (`StepBudget.floor`) rounded up to whole chunks of the largest
 bucket within it, less than twice that (with the default buckets, the smallest bucket holding it): one
-chunk of 32 beside up to 32 rows, of 64 beside 33..64, and so on. On the CPU a decode step's cost grows with its rows
-(compute-bound from ~16 rows in float32) and a chunk's with its tokens, so a chunk that grows with the
-rows keeps a pass with a chunk within ~2x the step alone at 16 and at 64 rows (docs/benchmarks.md,
-"Prefill chunks beside decode steps") while a crowded server prefills at least one prompt token per
-decode token: admission keeps a fixed share of the pass. A fixed slots + 32 (the earlier default) left
-64 busy rows one 32-token chunk a pass, and chat prompts queued for minutes.
+chunk of 32 beside up to 32 rows, of 64 beside 33..64, and so on. Why: on the CPU a decode step's cost
+grows with its rows and a chunk's with its tokens, so a chunk that grows with the rows keeps a pass with
+a chunk within about 2x the step alone (measured, float32: 32 tokens beside 16 rows, 64 beside 32 and 64
+rows; docs/benchmarks.md, "At 16, 32 and 64 rows") while a crowded server prefills at least one prompt
+token per decode row: admission keeps a fixed share of the pass. Twice the rows' tokens would put 64
+beside 17..32 rows (~3x). A fixed slots + 32 (the earlier default) left 64 busy rows one 32-token chunk
+a pass, and chat prompts queued for minutes.
 """
 
 from __future__ import annotations
