@@ -18,7 +18,7 @@ from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS, EngineOptions
 from hkserve.engine.prefix_copy import Chunk, plan_chunks
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
-from hkserve.engine.scheduler import Scheduler, default_max_step_tokens
+from hkserve.engine.scheduler import Scheduler, StepBudget
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
@@ -42,21 +42,20 @@ def test_the_chunk_is_the_largest_bucket_within_the_budget():
 
 def test_a_pass_that_decodes_nothing_takes_at_least_the_largest_bucket():
     """Nobody to stall: a prompt at an idle server goes in the fewest passes (each reads every weight)."""
-    assert [Scheduler.pass_budget(48, rows, BUCKETS) for rows in (0, 1, 16)] == [512, 47, 32]
-    assert Scheduler.pass_budget(2000, 0, BUCKETS) == 2000 and Scheduler.pass_budget(10, 0, (8,)) == 10
+    assert [StepBudget(48).prompt_tokens(rows, BUCKETS) for rows in (0, 1, 16)] == [512, 47, 32]
+    assert StepBudget(2000).prompt_tokens(0, BUCKETS) == 2000 and StepBudget(10).prompt_tokens(0, (8,)) == 10
+    assert [StepBudget(None).prompt_tokens(rows, BUCKETS) for rows in (0, 1, 16)] == [512, 32, 32]
 
 
 def test_the_chunk_sizes_a_runner_can_pick_are_those_warmup_compiles():
-    assert Scheduler.chunk_sizes(BUCKETS, 64, 16) == (32, 512)  # 0 rows: 512; 1..15 rows: 63..49
-    assert Scheduler.chunk_sizes(BUCKETS, 16 + 64, 16) == (64, 512)  # slots + a bucket: that bucket beside rows
-    assert Scheduler.chunk_sizes(BUCKETS, 4 + 512, 4) == (512,)
-    assert Scheduler.chunk_sizes(BUCKETS, 8, 3) == (16, 512)
+    """Of an explicit --max-step-tokens (the CPU default's: test_step_budget_default.py)."""
+    assert Scheduler.chunk_sizes(BUCKETS, StepBudget(64), 16) == (32, 512)  # 0 rows: 512; 1..15 rows: 63..49
+    assert Scheduler.chunk_sizes(BUCKETS, StepBudget(16 + 64), 16) == (64, 512)  # slots + a bucket: it beside rows
+    assert Scheduler.chunk_sizes(BUCKETS, StepBudget(4 + 512), 4) == (512,)
+    assert Scheduler.chunk_sizes(BUCKETS, StepBudget(8), 3) == (16, 512)
     engine = FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS)
     InferenceRunner(engine, max_step_tokens=64)
     assert engine.chunk_sizes == (32, 512)
-    default = InferenceRunner(FakeEngine(slots=16, chunk=512, prefill_buckets=BUCKETS))  # the CPU's default
-    assert default.max_step_tokens == 16 + 32 and default.engine.chunk_sizes == (32, 512)
-    assert default_max_step_tokens(16, "gpu") == 16 + 512
 
 
 def test_plan_chunks_at_a_size_pads_later_chunks_to_it_and_a_reused_suffix_tightly():
@@ -110,7 +109,7 @@ def test_a_long_prompt_beside_16_rows_goes_in_chunks_within_the_budget():
 def test_the_chunk_follows_the_rows(rows, budget, want):
     """No rows decoding: the pass takes the largest bucket (the whole 300-token prompt in one chunk)."""
     _, padded, _ = long_prefill_among_rows(rows, budget)
-    assert padded == want and all(p <= max(Scheduler.pass_budget(budget, rows, BUCKETS), BUCKETS[0]) for p in padded)
+    assert padded == want and all(p <= max(StepBudget(budget).prompt_tokens(rows, BUCKETS), BUCKETS[0]) for p in padded)
 
 
 def test_a_budget_below_the_smallest_bucket_still_prefills_one_smallest_chunk_a_pass():

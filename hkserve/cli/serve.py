@@ -150,9 +150,10 @@ def add_step_tokens_argument(parser) -> None:
         metavar="N",
         help="tokens one loop pass carries: the running rows' decode tokens plus at most N - rows (padded) "
         "tokens of prompt prefill, cut into chunks of the largest prefill bucket that fits N - rows, so a "
-        "long prompt is prefilled over several passes while the running streams keep decoding (default: "
-        "slots + 32 on the CPU, where a 32-token chunk keeps a pass within ~2x a 16-row decode step's time "
-        "(docs/benchmarks.md); slots + 512, the largest bucket, on accelerators)",
+        "long prompt is prefilled over several passes while the running streams keep decoding (default: on "
+        "the CPU no fixed N: a pass's prompt tokens are max(32, rows) in whole chunks, so a pass "
+        "with a chunk stays within ~2x the decode step alone at 16 and 64 rows and a crowded server keeps "
+        "admitting (docs/benchmarks.md); slots + 512, the largest bucket, on accelerators)",
     )
 
 

@@ -57,7 +57,7 @@ from hkserve.engine.prefill_job import PrefillJob
 from hkserve.engine.prefix_cache import PrefixCache
 from hkserve.engine.protocols import RunnerStats, ServingEngine
 from hkserve.engine.requests import Event, Overloaded, Request, RequestStream
-from hkserve.engine.scheduler import Scheduler, default_max_step_tokens
+from hkserve.engine.scheduler import Scheduler, StepBudget, default_step_budget
 from hkserve.engine.spec_policy import SpecCounts
 from hkserve.engine.state import check_max_tokens
 
@@ -69,16 +69,18 @@ class InferenceRunner(Admission, Preemption):
 
     def __init__(self, engine: ServingEngine, max_queue: int = 64, max_step_tokens: int | None = None):
         """`max_step_tokens`: the tokens one pass carries, its decode rows' and its prompt chunks' (padded)
-        together (admission.py); None: slots + the backend's default chunk (scheduler.py: 32 on the
-        CPU, else 512), so a pass always has room for the decode rows and one chunk of that size."""
+        together (admission.py); None: the backend's default (scheduler.py: on the CPU a chunk that grows
+        with the rows, at least 32 tokens; else slots + 512)."""
         self.engine = engine
         self.max_queue = max_queue
         self.vocab_size = engine.vocab_size
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
-        self.max_step_tokens = max_step_tokens or default_max_step_tokens(engine.slots, jax.default_backend())
+        self.step_budget = (
+            StepBudget(max_step_tokens) if max_step_tokens else default_step_budget(engine.slots, jax.default_backend())
+        )
         # the chunk sizes its budget may cut prompts into: warm-up compiles their programs
-        engine.chunk_sizes = Scheduler.chunk_sizes(engine.prefill_buckets, self.max_step_tokens, engine.slots)
+        engine.chunk_sizes = Scheduler.chunk_sizes(engine.prefill_buckets, self.step_budget, engine.slots)
         # Shared with the other threads, under _lock:
         self._waiting: collections.deque[RequestStream] = collections.deque()  # bounded by max_queue
         self._open: set[RequestStream] = set()  # submitted and not yet ended
@@ -216,7 +218,7 @@ class InferenceRunner(Admission, Preemption):
         self._sweep_cancelled()
         self._fit_step()  # paged: the running rows' next blocks, preempting the newest when they run out
         decoding = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]
-        admitted = self._admit(Scheduler.pass_budget(self.max_step_tokens, len(decoding), self.engine.prefill_buckets))
+        admitted = self._admit(self.step_budget.prompt_tokens(len(decoding), self.engine.prefill_buckets))
         dispatched = list(admitted)
         # A slot whose memory is full cannot step: it ends ("length") once its last token is read.
         stepping = [i for i, s in enumerate(self._slots) if s is not None and i not in self._prefills]

@@ -14,15 +14,26 @@ prompt + max_tokens exceed --max-len, and the pool holds at least --max-len per 
 oldest always advances and no request waits forever.
 
 Token-budget steps (`--max-step-tokens`, step 4): a pass carries the running rows' decode tokens and
-at most `max_step_tokens - rows` tokens of prompt prefill, counted as the chunks' padded buckets (what
-the device computes). A pass's chunks are of `chunk_size`: the largest prefill bucket that fits that
-budget (at least the smallest bucket), so a small budget cuts a long prompt into small chunks and a
-running stream's gap grows by a small chunk's cost, not a 512-token one's. `plan_prefill` hands the
-budget to the prefilling requests oldest first, whole chunks at a time; a pass whose budget takes no
-chunk still runs the oldest request's next one, so a prompt always progresses (only a budget below
-rows + the smallest bucket, or the exact prefix cache's fixed chunk above it, needs that). The default
-budget (`default_max_step_tokens`) is slots + 32 on the CPU, slots + 512 elsewhere; a pass with no
-decode row takes at least the largest bucket (`pass_budget`: nobody to stall).
+a budget of prompt prefill tokens (`StepBudget`), counted as the chunks' padded buckets (what the device
+computes). A pass's chunks are of `chunk_size`: the largest prefill bucket that fits that budget (at
+least the smallest bucket), so a small budget cuts a long prompt into small chunks and a running
+stream's gap grows by a small chunk's cost, not a 512-token one's. `plan_prefill` hands the budget to
+the prefilling requests oldest first, whole chunks at a time; a pass whose budget takes no chunk still
+runs the oldest request's next one, so a prompt always progresses (only a budget below the smallest
+bucket, or the exact prefix cache's fixed chunk above it, needs that). A pass with no decode row takes
+at least the largest bucket (nobody to stall).
+
+The budget: `--max-step-tokens N` gives a pass N - rows prompt tokens. Without it (`default_step_budget`),
+elsewhere than on the CPU a pass gets slots + 512 - rows (a chunk of the largest bucket beside any
+rows); on the CPU it gets max(32, rows) (`StepBudget.floor`) rounded up to whole chunks of the largest
+bucket within it, less than twice that (with the default buckets, the smallest bucket holding it): one
+chunk of 32 beside up to 32 rows, of 64 beside 33..64, and so on. Why: on the CPU a decode step's cost
+grows with its rows and a chunk's with its tokens, so a chunk that grows with the rows keeps a pass with
+a chunk within about 2x the step alone (measured, float32: 32 tokens beside 16 rows, 64 beside 32 and 64
+rows; docs/benchmarks.md, "At 16, 32 and 64 rows") while a crowded server prefills at least one prompt
+token per decode row: admission keeps a fixed share of the pass. Twice the rows' tokens would put 64
+beside 17..32 rows (~3x). A fixed slots + 32 (the earlier default) left 64 busy rows one 32-token chunk
+a pass, and chat prompts queued for minutes.
 """
 
 from __future__ import annotations
@@ -34,15 +45,36 @@ from typing import NamedTuple
 from hkserve.engine.block_pool import BlockPool
 from hkserve.engine.options import DEFAULT_PREFILL_BUCKETS
 
-# The default budget's prompt tokens per pass beside its decode rows, by backend: on the CPU a chunk of
-# 32 keeps a pass within ~2x a 16-row decode step's time (docs/benchmarks.md, "Prefill chunks beside
-# decode steps"); elsewhere the largest default bucket.
-DEFAULT_STEP_CHUNK = {"cpu": 32}
+# The CPU default's least prompt tokens a pass (beside at most 32 rows): a chunk of 32 keeps a pass within
+# ~2x a 16-row decode step's time (docs/benchmarks.md, "Prefill chunks beside decode steps").
+CPU_STEP_FLOOR = 32
 
 
-def default_max_step_tokens(slots: int, backend: str) -> int:
-    """`--max-step-tokens`' default: the decode rows and one chunk of the backend's default size."""
-    return slots + DEFAULT_STEP_CHUNK.get(backend, DEFAULT_PREFILL_BUCKETS[-1])
+class StepBudget(NamedTuple):
+    """A loop pass's prompt tokens beside its decode rows (see the module docstring)."""
+
+    total: int | None  # --max-step-tokens: decode rows + prompt tokens a pass; None: by the rows
+    floor: int = CPU_STEP_FLOOR  # total None: max(floor, rows) prompt tokens, in whole chunks
+
+    def prompt_tokens(self, rows: int, buckets: Sequence[int]) -> int:
+        """A pass's prompt tokens beside `rows` decode rows; in a pass that decodes nothing (no stream to
+        stall), at least the largest bucket, so a prompt arriving at an idle server is prefilled in the
+        fewest passes (each pass reads every weight once)."""
+        if self.total is not None:
+            budget = self.total - rows
+        else:  # max(floor, rows) rounded up to whole chunks of the largest bucket within it: under 2x it
+            need = max(self.floor, rows)
+            chunk = Scheduler.chunk_size(buckets, need)
+            budget = -(-need // chunk) * chunk
+        return budget if rows else max(budget, buckets[-1])
+
+
+def default_step_budget(slots: int, backend: str) -> StepBudget:
+    """The budget without `--max-step-tokens`: by the rows on the CPU; elsewhere the decode rows and one
+    chunk of the largest default bucket (slots + 512)."""
+    if backend == "cpu":
+        return StepBudget(None)
+    return StepBudget(slots + DEFAULT_PREFILL_BUCKETS[-1])
 
 
 class Row(NamedTuple):
@@ -107,19 +139,11 @@ class Scheduler:
         return buckets[max(bisect.bisect_right(buckets, budget) - 1, 0)]
 
     @staticmethod
-    def pass_budget(max_step_tokens: int, rows: int, buckets: Sequence[int]) -> int:
-        """A pass's prompt tokens beside `rows` decode rows: what `max_step_tokens` leaves them, or, in a
-        pass that decodes nothing (no stream to stall), at least the largest bucket, so a prompt arriving
-        at an idle server is prefilled in the fewest passes (each pass reads every weight once)."""
-        budget = max_step_tokens - rows
-        return budget if rows else max(budget, buckets[-1])
-
-    @staticmethod
-    def chunk_sizes(buckets: Sequence[int], max_step_tokens: int, slots: int) -> tuple[int, ...]:
-        """Every chunk size a runner of `max_step_tokens` over `slots` can pick: a pass with a prompt
-        still prefilling decodes 0 .. slots - 1 rows (the prompt's own slot is not one of them)."""
-        budgets = (Scheduler.pass_budget(max_step_tokens, rows, buckets) for rows in range(slots))
-        return tuple(sorted({Scheduler.chunk_size(buckets, b) for b in budgets}))
+    def chunk_sizes(buckets: Sequence[int], budget: StepBudget, slots: int) -> tuple[int, ...]:
+        """Every chunk size a runner of `budget` over `slots` can pick: a pass with a prompt still
+        prefilling decodes 0 .. slots - 1 rows (the prompt's own slot is not one of them)."""
+        tokens = (budget.prompt_tokens(rows, buckets) for rows in range(slots))
+        return tuple(sorted({Scheduler.chunk_size(buckets, t) for t in tokens}))
 
     @staticmethod
     def plan_prefill(prefilling: list[Prefilling], budget: int, force: bool = True) -> list[tuple[int, int]]:
