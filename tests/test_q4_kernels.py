@@ -145,12 +145,13 @@ def test_the_avx2_path_can_be_forced_on_any_machine(monkeypatch):
         dispatch.machine_isa()
 
 
-def test_auto_runs_int4_weights_with_int16_activations():
-    """auto (and every int8 kind but w8a8) → hk_w4a16; w8a8 and w4a8 → hk_w4a8; w4a16/w4a8 keep w8a16 for
-    the int8 embeddings."""
+def test_auto_runs_int4_weights_with_int8_activations():
+    """auto, w8a8 and w4a8 → hk_w4a8; w8a32, w8a16 and w4a16 (activations kept at 16 bits or more) →
+    hk_w4a16; w4a16/w4a8 keep w8a16 for the int8 embeddings."""
     isa = dispatch.machine_isa()
-    assert dispatch.resolve("auto", "int4") == dispatch.KernelSpec("w8a16", isa, 0, "w4a16")
+    assert dispatch.resolve("auto", "int4") == dispatch.KernelSpec("w8a16", isa, 0, "w4a8")
     assert dispatch.resolve("w8a32", "int4").int4 == "w4a16"
+    assert dispatch.resolve("w8a16", "int4").int4 == "w4a16"
     assert dispatch.resolve("w8a8", "int4") == dispatch.KernelSpec("w8a8", isa, 0, "w4a8")
     assert dispatch.resolve("w4a8", "int4") == dispatch.KernelSpec("w8a16", isa, 0, "w4a8")
     assert dispatch.resolve("w4a16", "int4") == dispatch.KernelSpec("w8a16", isa, 0, "w4a16")

@@ -118,7 +118,7 @@ def test_an_int4_model_with_8_bit_stacks_through_the_kernels_follows_xla(tied):
     """Kernel mode: the 8-bit stacks run hk_w8ga16 in the layer stack (read in place, not fused with the
     int4 q and k), the int4 ones hk_w4a16; against the same params through XLA's grouped dots."""
     config, params = mixed_int4(tied)
-    model = build_model(config, dispatch.resolve("auto", "int4"))
+    model = build_model(config, dispatch.resolve("w4a16", "int4"))
     packed = jax.jit(model.prepare)(params)
     assert packed["decoder/layers/attention/v_proj"]["w"].shape[-1] == 2048
     assert packed["decoder/layers/attention/q_proj"]["w"].shape[-1] == 1024

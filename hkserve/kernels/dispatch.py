@@ -8,9 +8,12 @@ weight-only kernel's to 4 digits (SmolLM2 on the Genesis excerpt 4.4835 vs w8a32
 float32 (the quality of XLA's int8 path); w8a8 quantizes them to int8 per 32 values (llama.cpp's
 Q8_0), whose perplexity on that short excerpt swings by 1-3% with the last bits of its inputs.
 
-int4 weights run hk_w4a16 (int16 activation blocks) under auto and every kind but w8a8 and w4a8, which
-run hk_w4a8 (int8 per 32): the int8 blocks moved SmolLM2's Q4_1 perplexity by -0.44% / -1.60% with
-eval-ppl's window, the int16 ones stay by XLA's int4 path (kernels/README.md has the table).
+int4 weights run hk_w4a8 (int8 activations per 32: vpdpbusd's 64 products an instruction, half of
+hk_w4a16's instructions at 16 rows) under auto, w8a8 and w4a8, and hk_w4a16 (int16 per 128) under w4a16,
+w8a16 and w8a32. On 7.6k tokens of English prose hk_w4a8 stays within 1% of float32 (SmolLM2 Q4_1 +0.34%,
+hk_w4a16 +0.08%); on the 103-token Genesis excerpt it swings (-1.60% at window 512), which is why w4a16
+stays selectable (kernels/README.md has the tables). One kernel per model: a row's bits do not depend
+on the batch.
 
 The decoder reads the active spec while it is traced (`using(spec)`), so one model function serves
 both paths and the choice is made once, where the model is built.
@@ -37,7 +40,7 @@ class KernelSpec(NamedTuple):
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
     threads: int = 0  # 0: XLA's intra-op pool, capped while other processes hold cores (contention.py);
     # HKSERVE_KERNEL_THREADS=N fixes N (1: the calling thread only)
-    int4: str = "w4a16"  # int4 weights x activations: "w4a16" int16 per 128 values | "w4a8" int8 per 32
+    int4: str = "w4a8"  # int4 weights x activations: "w4a8" int8 per 32 values | "w4a16" int16 per 128
 
     def describe(self) -> str:
         return f"{self.kind} (int4: {self.int4}) on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
@@ -68,8 +71,9 @@ def add_kernels_argument(p) -> None:
         help="int8 matrix products: auto = the C++ CPU kernels where they apply (int8 weights, CPU, 1x1 mesh) "
         "with activations quantized to int16 per 128 values (w8a16; float32's perplexity to 4 digits), and "
         "decode attention reading the KV memory in place; w8a32 = float32 activations; w8a8 = int8 activations "
-        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots. int4 weights run w4a16 (int16 activations) "
-        "except with w8a8 or w4a8 (int8 activations per 32); w4a16/w4a8 name the int4 kernel and keep w8a16",
+        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots. int4 weights run w4a8 (int8 activations per 32) "
+        "except with w8a32, w8a16 or w4a16 (int16 activations per 128); w4a16/w4a8 name the int4 kernel and "
+        "keep w8a16",
     )
 
 
@@ -106,7 +110,7 @@ def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) ->
         log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA's dots")
         return None
     kind = "w8a16" if requested in ("auto", *INT4_KINDS) else requested
-    int4 = "w4a8" if requested in ("w8a8", "w4a8") else "w4a16"
+    int4 = "w4a16" if requested in ("w8a32", "w8a16", "w4a16") else "w4a8"
     spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")), int4)
     if spec.threads == 0:  # the pool's threads, fewer while other processes hold cores
         contention.watch(ffi.set_thread_cap)
