@@ -77,7 +77,7 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             from hkserve.checkpoint.quantize import convert_params
 
             config, host_params = convert_params(jax.tree_util.tree_map(np.asarray, host_params), config, "int8")
-        model = build_model(config)
+        model = build_model(config, layers="scan")  # the reference; "loop-*" runs rebuild it as the loop
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 96, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 2)]
         max_tokens, stop_ids = 12, ()
