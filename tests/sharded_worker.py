@@ -23,14 +23,14 @@ from hkserve.model.sampling import SamplingParams
 from hkserve.model.sharding import memory_shardings, param_shardings, parse_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "8x1"]
-# int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them
-# the layer loop (the GPU default) on two meshes, and "scan-1x1": the scan on one device, to compare with
-# the paged KV layout (each data shard its own blocks) on 1x8 and 2x4, and "static-1x1" to compare with;
-# "spec-small-2x4": speculating on 2x4 paged with a pool of one --max-len request per data shard (preempting)
+# int8 adds its scales to the same sharding rules: one mesh that splits both axes checks them.
+# "tiny", one process for tests/test_sharding.py's three checks: the paged KV layout (the default: each
+# data shard its own blocks) on every mesh; "static-1x1" to compare with; "spec-small-2x4": speculating on
+# 2x4 paged with a pool of one --max-len request per data shard (preempting); "loop-*": the layer loop (the
+# GPU default) on 1x1 and two meshes, to compare with each other and with the scan's 1x1
 MESHES_OF_KIND = {
     "tiny-int8": ["1x1", "2x4"],
-    "tiny-loop": ["1x1", "1x8", "2x4", "scan-1x1"],
-    "tiny-paged": ["1x1", "1x8", "2x4", "static-1x1", "spec-small-2x4"],
+    "tiny": [*MESHES, "static-1x1", "spec-small-2x4", "loop-1x1", "loop-1x8", "loop-2x4"],
 }
 
 
@@ -70,14 +70,14 @@ def greedy(runner, prompts, max_tokens, stop_ids=()) -> list[list[int]]:
 
 def main(kind: str, out: str, home: str | None = None) -> None:
     assert len(jax.devices()) == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    if kind in ("tiny", "tiny-int8", "tiny-loop", "tiny-paged"):
+    if kind in ("tiny", "tiny-int8"):
         config = tiny_config(vocab_size=96, n_heads=8, n_kv_heads=8, head_dim=8)
         host_params = build_model(config).init(jax.random.PRNGKey(3))
         if kind == "tiny-int8":  # int8 values and their scales sharded by the same rules
             from hkserve.checkpoint.quantize import convert_params
 
             config, host_params = convert_params(jax.tree_util.tree_map(np.asarray, host_params), config, "int8")
-        model = build_model(config, layers="loop" if kind == "tiny-loop" else "scan")  # the loop: the GPU default
+        model = build_model(config, layers="scan")  # the reference; "loop-*" runs rebuild it as the loop
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 96, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 2)]
         max_tokens, stop_ids = 12, ()
@@ -95,8 +95,8 @@ def main(kind: str, out: str, home: str | None = None) -> None:
         max_tokens, stop_ids = 32, store.tokenizer(info.name).stop_ids
     results = {}
     for name in MESHES_OF_KIND.get(kind, MESHES):
-        if name.startswith("scan-"):
-            model = build_model(config, layers="scan")
+        if name.startswith("loop-"):  # the scan's runs come first, then the loop's
+            model = build_model(config, layers="loop")
         mesh = mesh_for(name.split("-")[-1])
         shardings = param_shardings(param_shapes(config), mesh, config)
         if kind != "smollm2":
@@ -105,12 +105,10 @@ def main(kind: str, out: str, home: str | None = None) -> None:
             params = store.params(info.name, shardings)  # restored straight onto the mesh
             for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shardings)):
                 assert got.sharding.is_equivalent_to(want, got.ndim), (name, got.sharding, want)
-        static = name.startswith("static-")  # the paged kind's reference; every other run is paged (the default)
+        static = name.startswith("static-")  # the paged runs' reference; every other run is paged (the default)
         kv = {"kv_layout": "static" if static else "paged", "max_len": 256}
-        if kind == "tiny-paged" and not static:
-            kv["block_size"] = 16
         if name.startswith("spec-small-"):  # 8 blocks of 16: 64 positions per data shard, --max-len 64
-            kv |= {"max_len": 64, "kv_cache_mb": 8 * block_bytes(config, 16) / 2**20}
+            kv |= {"max_len": 64, "block_size": 16, "kv_cache_mb": 8 * block_bytes(config, 16) / 2**20}
         engine = Engine(model, params, EngineOptions(slots=8, prefill_buckets=(16, 32, 64), **kv), mesh=mesh)
         if name.startswith("spec-"):  # always drafting: the greedy tokens must not change
             engine = SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0))

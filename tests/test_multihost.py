@@ -201,6 +201,10 @@ def test_8_concurrent_streams_with_cancels_all_end_correctly(hosts, golden):
     assert _stream(hosts.url, path, body)[0] == case["text"]  # the cancelled slots were freed cleanly
 
 
+# ~45 s (the scoring programs compiled on both hosts, a float reference of SmolLM2): its default-suite twins
+# are tests/test_leader_replay.py (host 1 replays score_prefill as host 0 called it) and tests/test_scoring.py
+# (the scored golden prompts equal the model's log_softmax, through the live server)
+@pytest.mark.slow
 def test_a_scored_prompt_over_two_hosts_equals_the_models_log_softmax(hosts, golden, smollm2):
     # host 1 must replay the scoring prefill: without it the two hosts' programs no longer match
     _, info, _, params = smollm2

@@ -29,32 +29,38 @@ def run_worker(*args: str) -> dict:
     return dict(np.load(args[1]))
 
 
-def assert_meshes_agree(results: dict, meshes: list[str] = MESHES) -> None:
+def assert_meshes_agree(results: dict, meshes: list[str] = MESHES, reference: str = "1x1") -> None:
     for mesh in meshes:
-        np.testing.assert_array_equal(results[f"{mesh}/tokens"], results["1x1/tokens"], err_msg=mesh)
-        np.testing.assert_allclose(results[f"{mesh}/logits"], results["1x1/logits"], atol=1e-4, rtol=0, err_msg=mesh)
+        want = results[f"{reference}/tokens"], results[f"{reference}/logits"]
+        np.testing.assert_array_equal(results[f"{mesh}/tokens"], want[0], err_msg=mesh)
+        np.testing.assert_allclose(results[f"{mesh}/logits"], want[1], atol=1e-4, rtol=0, err_msg=mesh)
 
 
-@pytest.mark.timeout(1500)  # the worker's own limit is 1200 s
-def test_tiny_model_on_every_mesh_equals_single_device(tmp_path):
-    assert_meshes_agree(run_worker("tiny", str(tmp_path / "tiny.npz")))
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """The tiny model's runs of the three tests below, in one worker process (one JAX start; the 1x1
+    scan run is the reference of all three)."""
+    return run_worker("tiny", str(tmp_path_factory.mktemp("sharding") / "tiny.npz"))
+
+
+@pytest.mark.timeout(1500)  # sets up `tiny`; the worker's own limit is 1200 s
+def test_tiny_model_on_every_mesh_equals_single_device(tiny):
+    assert_meshes_agree(tiny)
 
 
 @pytest.mark.timeout(1500)
-def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tmp_path):
+def test_the_layer_loop_on_two_meshes_equals_single_device_and_the_scan(tiny):
     """The GPU default (hkserve/model/layer_loop.py): per-layer weights sharded by their stacks' rules."""
-    loop = run_worker("tiny-loop", str(tmp_path / "loop.npz"))
-    assert_meshes_agree(loop, ["1x8", "2x4", "scan-1x1"])
+    assert_meshes_agree(tiny, ["loop-1x8", "loop-2x4", "1x1"], reference="loop-1x1")
 
 
 @pytest.mark.timeout(1500)
-def test_the_paged_kv_layout_on_two_meshes_equals_single_device_and_the_static_layout(tmp_path):
+def test_the_paged_kv_layout_on_two_meshes_equals_single_device_and_the_static_layout(tiny):
     """Blocks sharded on the model axis like the static memory; on 2x4 each data shard's slots take
     only that shard's blocks (engine/block_pool.py). Speculating on 2x4 with a pool of one request per
     data shard: each shard preempts on its own, and the greedy tokens stay the single device's."""
-    paged = run_worker("tiny-paged", str(tmp_path / "paged.npz"))
-    assert_meshes_agree(paged, ["1x8", "2x4", "static-1x1", "spec-small-2x4"])
-    assert paged["2x4/preemptions"] == 0 and paged["spec-small-2x4/preemptions"] > 0
+    assert_meshes_agree(tiny, ["1x8", "2x4", "static-1x1", "spec-small-2x4"])
+    assert tiny["2x4/preemptions"] == 0 and tiny["spec-small-2x4/preemptions"] > 0
 
 
 @pytest.mark.slow  # ~120 s; the tiny model's meshes above run in the default suite
