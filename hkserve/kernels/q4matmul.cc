@@ -145,6 +145,39 @@ ffi::Error w8ga16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return q4call("hk_w8ga16", Kind::w8ga16, pool, x, w, scale, mins, layer, y, isa, threads);
 }
 
+// hk_w8sa16: signed 8-bit groups (q8a16.h's A8S) with a float16 scale and no min: w [(L,) N/64, K/32,
+// 2048], scale [(L,) N/64, K/32, 64] float16, the rest as q4call.
+ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  auto fail = [](const char* why) { return ffi::Error::InvalidArgument(std::string("hk_w8sa16: ") + why); };
+  size_t lead = wd.size() - 3;
+  bool same = sd.size() == wd.size();
+  for (size_t i = 0; same && i < lead + 2; ++i) same = sd[i] == wd[i];
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || !same || wd[lead + 2] != hk::A8S::kBytes ||
+      sd[lead + 2] != hk::NT || yd.size() != 2 || yd[0] != xd[0] || layer.element_count() != 1)
+    return fail("x must be [M, K], w [(L,) N/64, K/32, 2048], scale [(L,) N/64, K/32, 64] float16, y [M, N]");
+  int64_t layers = lead ? wd[0] : 1, l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return fail("layer index out of range");
+  Q4Problem p{};
+  p.m = xd[0], p.k = xd[1], p.n = yd[1], p.kp = wd[lead + 1] * G4, p.np = wd[lead] * hk::NT;
+  if (p.kp < p.k || p.kp - p.k >= G4 || p.np < p.n || p.np - p.n >= hk::NT) return fail("packed weight does not fit x and y");
+  if (isa != 1 && isa != 2) return fail("isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
+  const int64_t per_layer = p.np / hk::NT * (p.kp / G4);
+  p.w = w.typed_data() + l * per_layer * hk::A8S::kBytes, p.y = y->typed_data();
+  const uint16_t* sc16 = scale.typed_data() + l * per_layer * hk::NT;
+  if (p.m == 0) return ffi::Error::Success();
+  hk::quantize_a16(x.typed_data(), p);
+  threads = hk::call_threads(pool, threads);
+  int64_t tiles = p.np / hk::NT;  // items as q4call's
+  int64_t span = tiles < 8 * threads && p.m >= 16 ? 8 : p.m, groups = (p.m + span - 1) / span;
+  hk::parallel_tiles(pool, tiles * groups, threads, [&p, sc16, isa, span, groups](int64_t item) {
+    int64_t t = item / groups, r = item % groups * span;
+    hk::run_rows_sym(p, sc16, isa, t, r, std::min(p.m, r + span));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define HK_Q4_BINDING                   \
@@ -162,3 +195,13 @@ ffi::Error w8ga16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A8, w4a8, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A16, w4a16, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8SA16, w8sa16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads"));

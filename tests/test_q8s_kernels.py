@@ -1,0 +1,116 @@
+"""hk_w8sa16 (kernels/q8a16.h's A8S): signed 8-bit group weights without a min (model/int4.Int8Sym, what
+a GGUF's Q4_0/Q5_0/Q8_0 stacks import into, checkpoint/gguf_int4.py) times int16 activation blocks, on
+both ISA paths, against the float64 product of the kernel's block-quantized activations and the float64
+dequantized weight, within 1e-5 of the sum of the terms' magnitudes; odd sizes, B in {1, 3, 16, 17};
+GGUF weights as imported; a layer stack read at its index; a row's bits alone and among others; XLA's
+grouped dot against the same float64 reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_int4 import source
+from test_kernels import ISAS, SMOLLM2, quantize_rows
+
+from hkserve.checkpoint.gguf_quant import SYM8, grouped8_sym
+from hkserve.kernels import pack4, q4ffi
+from hkserve.model.int4 import Int8Sym, grouped_dot
+
+ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
+
+
+def weight(k: int, n: int, seed: int = 0) -> Int8Sym:
+    """Random signed groups over the whole int8 range (-128 and 127 included) and float16 scales of
+    both signs and several binades: K padded to whole groups with zero weights."""
+    rng = np.random.default_rng(seed + 3 * k + n)
+    kp = -(-k // 32) * 32
+    q = rng.integers(-128, 128, (kp, n)).astype(np.int8)
+    q[k:] = 0
+    q[0, 0], q[1, 0] = -128, 127
+    scale = (rng.uniform(1e-4, 4e-3, (kp // 32, n)) * rng.choice([-1, 1], (kp // 32, n))).astype(np.float16)
+    return Int8Sym(q, scale)
+
+
+def dense64(w: Int8Sym) -> np.ndarray:
+    return np.asarray(w.q, np.float64) * np.repeat(np.asarray(w.scale, np.float64), 32, 0)
+
+
+@functools.cache
+def kernel(isa: int, n: int):
+    return jax.jit(lambda x, w, s: q4ffi.matmul_int8_sym(x, w, s, n, isa))
+
+
+def run(x: np.ndarray, w: Int8Sym, isa: int) -> np.ndarray:
+    return np.asarray(kernel(isa, w.q.shape[-1])(x, *pack4.pack8_sym(*map(jnp.asarray, w))))
+
+
+def check(y: np.ndarray, x: np.ndarray, w: Int8Sym, levels: int = 32767, block: int = 128) -> None:
+    xs, wd = quantize_rows(x, levels, block), dense64(w)[: x.shape[1]]
+    ref, bound = xs @ wd, 1e-5 * (np.abs(xs) @ np.abs(wd)) + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert np.all(err <= bound), f"max error {err.max():.3g} over bound {(err / bound).max():.3g}x"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_equals_float64_reference(shape, isa):
+    k, n = shape
+    w = weight(k, n)
+    for m in (1, 3, 16, 17):
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        y = run(x, w, isa)
+        assert y.shape == (m, n)
+        check(y, x, w)
+
+
+@pytest.mark.parametrize("qtype", list(SYM8), ids=lambda q: q.name)
+@pytest.mark.parametrize("isa", ISAS)
+def test_gguf_weights_run_as_imported(isa, qtype):
+    shape = (96, 512)  # [out, in]
+    w = grouped8_sym(source(qtype, shape, seed=5), qtype, shape)
+    x = np.random.default_rng(6).standard_normal((17, 512)).astype(np.float32)
+    check(run(x, w, isa), x, w)
+
+
+@pytest.mark.parametrize("shape", [(100, 70), (33, 129)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_xla_grouped_dot_equals_float64_reference(shape):
+    """The fallback (non-CPU backends, --kernels xla): float32 activations, so the reference is the
+    float64 product of the float32 rows, within float32 accumulation."""
+    k, n = shape
+    w = weight(k, n, seed=2)
+    x = np.random.default_rng(3).standard_normal((17, k)).astype(np.float32)
+    y = np.asarray(jax.jit(grouped_dot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)), np.float64)
+    wd = dense64(w)[:k]
+    assert np.all(np.abs(y - x @ wd) <= 1e-5 * (np.abs(x) @ np.abs(wd)) + 1e-30)
+
+
+def test_a_stacked_weight_is_read_at_its_layer_index():
+    isa = ISAS[0]
+    layers = [weight(100, 70, seed=s) for s in range(3)]
+    stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack8_sym(*map(jnp.asarray, w)) for w in layers))]
+    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
+    call = jax.jit(lambda x, w, s, i: q4ffi.matmul_int8_sym(x, w, s, 70, isa, layer=i))
+    for i, w in enumerate(layers):
+        assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), run(x, w, isa))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_has_the_same_bits_alone_or_among_others(isa):
+    w = weight(576, 192)  # 3 tiles: 16+ rows are split in groups of 8
+    x = np.random.default_rng(1).standard_normal((17, 576)).astype(np.float32)
+    together = run(x, w, isa)
+    for r in (0, 9, 16):
+        assert np.array_equal(run(x[r : r + 1], w, isa)[0], together[r])
+
+
+def test_a_float32_scale_layout_is_refused():
+    """The packed weight of Int8Group (float32 scale and min) does not fit hk_w8sa16's operands."""
+    packed, scale = pack4.pack8_sym(*map(jnp.asarray, weight(64, 64)))
+    call = jax.ffi.ffi_call(q4ffi.SYM[0], jax.ShapeDtypeStruct((2, 64), jnp.float32))
+    with pytest.raises(Exception, match="hk_w8sa16:"):
+        x = jnp.ones((2, 64))
+        jax.block_until_ready(call(x, packed[..., :1024], scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))
