@@ -3,7 +3,8 @@ a GGUF's Q4_0/Q5_0/Q8_0 stacks import into, checkpoint/gguf_int4.py) times int16
 both ISA paths, against the float64 product of the kernel's block-quantized activations and the float64
 dequantized weight, within 1e-5 of the sum of the terms' magnitudes; odd sizes, B in {1, 3, 16, 17};
 GGUF weights as imported; a layer stack read at its index; a row's bits alone and among others; XLA's
-grouped dot against the same float64 reference."""
+grouped dot against the same float64 reference; an int4 model holding signed 8-bit stacks (its
+int8_sym_linears; fused q/k/v and gate/up) through the kernels against the same model through XLA."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_config
 from test_int4 import source
+from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2, quantize_rows
+from test_q8g_kernels import mixed_int4
 
 from hkserve.checkpoint.gguf_quant import SYM8, grouped8_sym
-from hkserve.kernels import pack4, q4ffi
+from hkserve.kernels import dispatch, pack4, q4ffi
+from hkserve.model.build import build_model
 from hkserve.model.int4 import Int8Sym, grouped_dot
+from hkserve.model.memory import init_memory
 
 ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
 
@@ -114,3 +120,43 @@ def test_a_float32_scale_layout_is_refused():
     with pytest.raises(Exception, match="hk_w8sa16:"):
         x = jnp.ones((2, 64))
         jax.block_until_ready(call(x, packed[..., :1024], scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))
+
+
+def absmax_sym(w: np.ndarray) -> Int8Sym:
+    """Float [..., K, N] → signed 8-bit groups by absmax / 127 per group (a float16 scale): test weights."""
+    *lead, k, n = w.shape
+    g = np.asarray(w, np.float32).reshape(*lead, k // 32, 32, n)
+    scale = (np.abs(g).max(-2) / 127).astype(np.float16)
+    safe = np.where(scale == 0, 1, scale).astype(np.float32)[..., None, :]
+    return Int8Sym(np.clip(np.rint(g / safe), -127, 127).astype(np.int8).reshape(w.shape), scale)
+
+
+@pytest.mark.parametrize(
+    "sym", [("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("k_proj",)], ids=["fused", "alone"]
+)
+def test_an_int4_model_with_signed_8_bit_stacks_through_the_kernels_follows_xla(sym):
+    """Kernel mode: the signed 8-bit stacks run hk_w8sa16 in the layer stack, fused with each other
+    (Gemma's q/k/v and gate/up) but never with another form (k alone between int4 q and 8-bit v); the
+    8-bit down_proj hk_w8ga16; against the same params through XLA's grouped dots."""
+    config, params = mixed_int4(tied=True)  # v_proj and down_proj 8-bit groups with a min
+    base = tiny_config(dim=96, ffn_dim=160, tie_embeddings=True)
+    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(1)))
+    for module in params:
+        if module.rsplit("/", 1)[-1] in sym:
+            params[module] = dict(zip(("w", "scale"), absmax_sym(master[module]["w"])))
+    eight = tuple(n for n in config.int8_linears if n not in sym)
+    config = config.replace(int8_linears=eight, int8_sym_linears=tuple(sorted(sym)))
+    model = build_model(config, dispatch.resolve("auto", "int4"))
+    packed = jax.jit(model.prepare)(params)
+    layers = "decoder/layers/"
+    if len(sym) > 1:
+        assert packed[layers + "attention/qkv_proj"]["scale"].dtype == np.float16
+        assert packed[layers + "mlp/gate_up_proj"]["scale"].dtype == np.float16
+    else:
+        assert packed[layers + "attention/k_proj"]["scale"].dtype == np.float16
+        assert packed[layers + "attention/q_proj"]["w"].shape[-1] == 1024
+        assert packed[layers + "attention/v_proj"]["min"].dtype == np.float32
+    tokens = np.random.default_rng(0).integers(0, 128, (3, 5)).astype(np.int32)
+    got = np.asarray(jax.jit(model.forward)(packed, tokens, init_memory(config, 3, 32), np.full(3, 5))[0])
+    want = logits(config, params, tokens)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

@@ -14,18 +14,21 @@ import jax.numpy as jnp
 from hkserve.kernels import dispatch, ffi, pack, pack4, q4ffi
 from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
-from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, grouped_dot
+from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, Int8Sym, grouped_dot
 
 F32 = jnp.float32
 INT4 = "int4"  # the param_dtype of int4 models' linear weights: Int4Weight params w, scale, min
 INT8G = "int8g"  # ... of those of their config.int8_linears: Int8Group params w (8-bit q), scale, min
+INT8S = "int8s"  # ... of their config.int8_sym_linears: Int8Sym params w (int8 q), scale (float16)
 
 
 def param_dtype(config: ModelConfig, name: str | None = None):
     """Storage dtype of weight matrices (norm scales stay float32 for int8 weights); `name`: the linear
-    module's, which an int4 model may keep in 8-bit groups (config.int8_linears)."""
+    module's, which an int4 model may keep in 8-bit groups (config.int8_linears, int8_sym_linears)."""
     if name is not None and name in config.int8_linears:
         return INT8G
+    if name is not None and name in config.int8_sym_linears:
+        return INT8S
     return {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "int4": INT4}.get(config.dtype, F32)
 
 
@@ -109,18 +112,14 @@ class Linear(hk.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         held = layer_weights.held(hk.experimental.current_name())
-        kernel = dispatch.active()
-        if held is not None and held.mins is not None:  # int4 (8-bit groups), kernel mode inside the layer stack
-            kind = q4ffi.kind_for(held.packed, kernel.int4)
-            y = q4ffi.matmul_int4(
-                x, *held[:2], held.mins, self.out_dim, kind, kernel.isa, kernel.threads, layer=held.layer
-            )
-        elif held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
-            y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
+        if held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
+            y = held.matmul(x, self.out_dim)
         elif self.dtype == INT4:
             y = _int4_linear(x, self.out_dim)
         elif self.dtype == INT8G:
             y = _int8_group_linear(x, self.out_dim)
+        elif self.dtype == INT8S:
+            y = _int8_sym_linear(x, self.out_dim)
         else:
             w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
             y = qdot(x, w, scale)
@@ -143,6 +142,21 @@ def _int8_group_linear(x: jax.Array, out_dim: int) -> jax.Array:
     scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
     low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)
     return grouped_dot(x, Int8Group(q, scale, low))
+
+
+def _int8_sym_linear(x: jax.Array, out_dim: int) -> jax.Array:
+    """x · an Int8Sym [K, out_dim] (K padded to whole groups): hk_w8sa16 with the CPU kernels, else
+    dequantized in the dot (XLA)."""
+    groups = -(-x.shape[-1] // GROUP)
+    kernel = dispatch.active()
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8_sym)
+        wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
+        w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
+        scale = hk.get_parameter("scale", sshape, jnp.float16, init=jnp.zeros)
+        return q4ffi.matmul_int8_sym(x, w, scale, out_dim, kernel.isa, kernel.threads)
+    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.int8, init=jnp.zeros)
+    scale = hk.get_parameter("scale", [groups, out_dim], jnp.float16, init=jnp.ones)
+    return grouped_dot(x, Int8Sym(q, scale))
 
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
