@@ -17,8 +17,8 @@ import pytest
 from helpers import tiny_config
 from test_int4 import source
 from test_int4_model import logits
-from test_kernels import ISAS, SMOLLM2, quantize_rows
-from test_q8g_kernels import mixed_int4
+from test_kernels import ISAS, SMOLLM2
+from test_q8g_kernels import check_batch_sizes, check_dense, mixed_int4
 
 from hkserve.checkpoint.gguf_quant import SYM8, grouped8_sym
 from hkserve.kernels import dispatch, pack4, q4ffi
@@ -54,23 +54,14 @@ def run(x: np.ndarray, w: Int8Sym, isa: int) -> np.ndarray:
     return np.asarray(kernel(isa, w.q.shape[-1])(x, *pack4.pack8_sym(*map(jnp.asarray, w))))
 
 
-def check(y: np.ndarray, x: np.ndarray, w: Int8Sym, levels: int = 32767, block: int = 128) -> None:
-    xs, wd = quantize_rows(x, levels, block), dense64(w)[: x.shape[1]]
-    ref, bound = xs @ wd, 1e-5 * (np.abs(xs) @ np.abs(wd)) + 1e-30
-    err = np.abs(np.asarray(y, np.float64) - ref)
-    assert np.all(err <= bound), f"max error {err.max():.3g} over bound {(err / bound).max():.3g}x"
+def check(y: np.ndarray, x: np.ndarray, w: Int8Sym) -> None:
+    check_dense(y, x, dense64(w))
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_kernel_equals_float64_reference(shape, isa):
-    k, n = shape
-    w = weight(k, n)
-    for m in (1, 3, 16, 17):
-        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-        y = run(x, w, isa)
-        assert y.shape == (m, n)
-        check(y, x, w)
+    check_batch_sizes(weight(*shape), shape[0], run, check, isa)
 
 
 @pytest.mark.parametrize("qtype", list(SYM8), ids=lambda q: q.name)

@@ -116,10 +116,8 @@ class Linear(hk.Module):
             y = held.matmul(x, self.out_dim)
         elif self.dtype == INT4:
             y = _int4_linear(x, self.out_dim)
-        elif self.dtype == INT8G:
-            y = _int8_group_linear(x, self.out_dim)
-        elif self.dtype == INT8S:
-            y = _int8_sym_linear(x, self.out_dim)
+        elif self.dtype in (INT8G, INT8S):
+            y = _int8_group_linear(x, self.out_dim, signed=self.dtype == INT8S)
         else:
             w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
             y = qdot(x, w, scale)
@@ -128,35 +126,22 @@ class Linear(hk.Module):
         return y
 
 
-def _int8_group_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int8Group [K, out_dim] (K padded to whole groups): hk_w8ga16 with the CPU kernels, else
-    dequantized in the dot (XLA)."""
+def _int8_group_linear(x: jax.Array, out_dim: int, signed: bool) -> jax.Array:
+    """x · an Int8Group [K, out_dim] (K padded to whole groups; `signed`: an Int8Sym, int8 q and a float16
+    scale, no min): hk_w8ga16 (hk_w8sa16) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
     kernel = dispatch.active()
-    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8)
+    names, dtype = ("scale",) if signed else ("scale", "min"), jnp.float16 if signed else F32
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8, pack8_sym)
         wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
         w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
-        scale, low = (hk.get_parameter(n, sshape, F32, init=jnp.zeros) for n in ("scale", "min"))
-        return q4ffi.matmul_int4(x, w, scale, low, out_dim, q4ffi.EIGHT_BIT, kernel.isa, kernel.threads)
-    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.uint8, init=jnp.zeros)
-    scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
-    low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)
-    return grouped_dot(x, Int8Group(q, scale, low))
-
-
-def _int8_sym_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int8Sym [K, out_dim] (K padded to whole groups): hk_w8sa16 with the CPU kernels, else
-    dequantized in the dot (XLA)."""
-    groups = -(-x.shape[-1] // GROUP)
-    kernel = dispatch.active()
-    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8_sym)
-        wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
-        w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
-        scale = hk.get_parameter("scale", sshape, jnp.float16, init=jnp.zeros)
-        return q4ffi.matmul_int8_sym(x, w, scale, out_dim, kernel.isa, kernel.threads)
-    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.int8, init=jnp.zeros)
-    scale = hk.get_parameter("scale", [groups, out_dim], jnp.float16, init=jnp.ones)
-    return grouped_dot(x, Int8Sym(q, scale))
+        scale, *low = (hk.get_parameter(n, sshape, dtype, init=jnp.zeros) for n in names)
+        if signed:
+            return q4ffi.matmul_int8_sym(x, w, scale, out_dim, kernel.isa, kernel.threads)
+        return q4ffi.matmul_int4(x, w, scale, *low, out_dim, q4ffi.EIGHT_BIT, kernel.isa, kernel.threads)
+    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.int8 if signed else jnp.uint8, init=jnp.zeros)
+    parts = (hk.get_parameter(n, [groups, out_dim], dtype, init=jnp.ones if n == "scale" else jnp.zeros) for n in names)
+    return grouped_dot(x, (Int8Sym if signed else Int8Group)(q, *parts))
 
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
