@@ -98,6 +98,10 @@ def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit
     assert store.config("mix", "int4") == config
     stored = store.params("mix", weights="int4")
     assert all(np.array_equal(np.asarray(stored[m][n]), v) for m, names in params.items() for n, v in names.items())
+    expanded = store.params("mix", weights="f32")  # f32 on request: the signed groups' own dequantization
+    for module in params:
+        if module.rsplit("/", 1)[-1] in config.int8_sym_linears:
+            assert np.array_equal(np.asarray(expanded[module]["w"]), floats[module]["w"]), module
     jax.clear_caches()
 
 
@@ -180,16 +184,21 @@ def _greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
         runner.stop()
 
 
-def test_a_4_bit_gguf_store_serves_the_greedy_tokens_of_its_blocks(tmp_path, sp, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("mix", [False, True], ids=["q4_1", "k-quant-mix"])
+def test_a_4_bit_gguf_store_serves_the_greedy_tokens_of_its_blocks(tmp_path, sp, monkeypatch, mix):  # noqa: F811
     """`serve`'s loader on the master-less store (the CPU default: int4 through auto's kernels) continues
-    prompts with the tokens an Engine on the file's int4 import makes (what params-int4 held before)."""
+    prompts with the tokens an Engine on the file's int4 import makes (what params-int4 held before); the
+    k-quant mix's int4 variant too, with its 8-bit and signed 8-bit stacks (their params replicated on
+    serve's mesh)."""
     path = tmp_path / "tiny.gguf"
-    write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, quantize=True, qtype=Q.Q4_1)
+    kind = {"qtype": Q.Q4_0, "types": MIX} if mix else {"quantize": True, "qtype": Q.Q4_1}
+    write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, **kind)
     monkeypatch.setenv("HKSERVE_HOME", str(tmp_path / "home"))
-    convert(path, "tiny", ModelStore(), progress=False)
+    convert(path, "tiny", ModelStore(), progress=False, weights="int4" if mix else None)
     prompts = [[1, 5, 17, 33, 2], [1, 64, 9, 11, 100, 7, 3]]
     _, runner, _ = load_runner(LoadOptions(model="tiny", max_len=64), slots=2)
     assert runner.engine.model.config.dtype == "int4"
+    assert bool(runner.engine.model.config.int8_sym_linears) == mix
     served = _greedy(runner, prompts, 10)
     config, params = load_gguf_int4(path)
     engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, EngineOptions(slots=2, max_len=64))
