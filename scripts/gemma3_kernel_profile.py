@@ -4,7 +4,9 @@ row, hk_w8a16), beside the bytes hkserve reads per token and the GGUF's own byte
 
 Shapes and GGUF types come from the file; the weights are random values of the same packed formats (a
 kernel's time does not depend on them). The machine is shared, so each figure is the minimum of many
-calls. Usage: python scripts/gemma3_kernel_profile.py [GGUF] [--repeats N]
+calls. `--form min` times every 8-bit stack as Int8Group (hk_w8ga16, the store before issue 36's signed
+groups); the default times the Q4_0/Q5_0/Q8_0 stacks as the import stores them now (Int8Sym, hk_w8sa16).
+Usage: python scripts/gemma3_kernel_profile.py [GGUF] [--repeats N] [--form sym|min]
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hkserve.checkpoint.gguf_quant import SYM8
 from hkserve.kernels import ffi, pack, pack4, q4ffi
-from hkserve.model.int4 import quantize_int4, quantize_int8_groups
+from hkserve.model.int4 import Int8Sym, quantize_int4, quantize_int8_groups
 
 DEFAULT = "/root/.cache/hkserve-gemma3-270m/gemma-3-270m-q4_k_m.gguf"
 INT4 = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
@@ -51,7 +54,7 @@ def timed(fn, args, repeats: int) -> float:
     return best
 
 
-def operands(name: str, info: dict) -> tuple[str, tuple, int]:
+def operands(name: str, info: dict, form: str) -> tuple[str, tuple, int]:
     """(kernel, packed operands, bytes read per call) of one stack's layer (or the head)."""
     k, n = info["shape"]
     w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32) * 0.05
@@ -62,6 +65,10 @@ def operands(name: str, info: dict) -> tuple[str, tuple, int]:
     if info["types"] <= INT4:
         parts = pack4.pack4(*map(jnp.asarray, quantize_int4(w)))
         kind = "w4a16"
+    elif form == "sym" and info["types"] <= set(SYM8):
+        q = np.random.default_rng(1).integers(-128, 128, (k, n), dtype=np.int8)
+        parts = pack4.pack8_sym(*map(jnp.asarray, Int8Sym(q, np.full((k // 32, n), 1e-3, np.float16))))
+        kind = "w8sa16"
     else:
         parts = pack4.pack8(*map(jnp.asarray, quantize_int8_groups(w)))
         kind = q4ffi.EIGHT_BIT
@@ -72,6 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf", nargs="?", default=DEFAULT)
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--form", choices=("sym", "min"), default="sym")
     args = ap.parse_args()
     q4ffi.available()
     isas = [i for i in (2, 1) if i <= ffi.cpu_isa()]
@@ -83,13 +91,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|" + "---|" * len(isas))
     totals = defaultdict(float)
     for name, info in sorted(stacks(args.gguf).items(), key=lambda kv: kv[0]):
-        kind, parts, nbytes = operands(name, info)
+        kind, parts, nbytes = operands(name, info, args.form)
         k, n = info["shape"]
         x = jnp.asarray(np.random.default_rng(2).standard_normal((1, k)).astype(np.float32))
         times = []
         for isa in isas:
             if kind == "w8a16":
                 fn = jax.jit(lambda x, w, s, isa=isa: ffi.matmul(x, w, s, "w8a16", isa, threads=1))
+            elif kind == "w8sa16":
+                fn = jax.jit(lambda x, w, s, isa=isa, n=n: q4ffi.matmul_int8_sym(x, w, s, n, isa, 1))
             else:
                 fn = jax.jit(lambda x, w, s, m, isa=isa, kind=kind, n=n: q4ffi.matmul_int4(x, w, s, m, n, kind, isa, 1))
             sec = timed(fn, (x, *parts), args.repeats) * info["layers"]

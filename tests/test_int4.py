@@ -13,8 +13,17 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from hkserve.checkpoint.gguf_quant import EXACT, EXACT8, REQUANTIZED, grouped, grouped8, grouped_tensor
-from hkserve.model.int4 import Int4Weight, Int8Group, dequantize, grouped_dot, quantize_int4
+from hkserve.checkpoint.gguf_quant import (
+    EXACT,
+    EXACT8,
+    REQUANTIZED,
+    SYM8,
+    grouped,
+    grouped8,
+    grouped8_sym,
+    grouped_tensor,
+)
+from hkserve.model.int4 import Int4Weight, Int8Group, Int8Sym, dequantize, grouped_dot, quantize_int4
 
 SHAPE = (48, 512)  # [out, in]: two k-quant super-blocks of 256 per row
 CAN_QUANTIZE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
@@ -71,6 +80,22 @@ def test_every_up_to_8_bit_type_maps_into_8_bit_groups_bit_for_bit(qtype):
     assert _equal_bits_but_zero_sign(dequantize(w), reference(data, qtype))
 
 
+@pytest.mark.parametrize("qtype", list(SYM8), ids=lambda q: q.name)
+def test_min_less_types_map_into_signed_8_bit_groups_bit_for_bit(qtype):
+    """Q4_0/Q5_0/Q8_0 (d * (q - offset)) as signed int8 with the file's float16 d, no min: gguf's
+    float32 bits exactly, the sign of zero included; and grouped8_sym refuses a type with a min."""
+    data = source(qtype, seed=4)
+    w = grouped8_sym(data, qtype, SHAPE)
+    assert isinstance(w, Int8Sym) and w.q.dtype == np.int8 and w.scale.dtype == np.float16
+    assert w.q.shape == SHAPE[::-1] and w.scale.shape == (SHAPE[1] // 32, SHAPE[0])
+    got, want = dequantize(w), reference(data, qtype)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    low, high = -SYM8[qtype] if SYM8[qtype] else -128, (SYM8[qtype] - 1) if SYM8[qtype] else 127
+    assert low <= w.q.min() and w.q.max() <= high
+    with pytest.raises(ValueError, match="have a min"):
+        grouped8_sym(source(Q.Q4_1), Q.Q4_1, SHAPE)
+
+
 def test_q6_k_requantized_into_8_bit_groups_within_the_stated_bound():
     data = source(Q.Q6_K)
     ref = reference(data, Q.Q6_K)
@@ -111,12 +136,13 @@ def test_constant_groups_quantize_exactly():
     assert np.array_equal(dequantize(quantize_int4(w)), w)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8-sym-Q5_0", "int8-sym-Q8_0"])
 def test_xla_grouped_dot_equals_float64_product_of_ggufs_dequantized_weight(kind):
-    qtype = Q.Q4_1 if kind == "int4" else Q.Q8_0
+    qtype = {"int4": Q.Q4_1, "int8": Q.Q8_0, "int8-sym-Q5_0": Q.Q5_0, "int8-sym-Q8_0": Q.Q8_0}[kind]
     shape = (40, 96)
     data = source(qtype, shape, seed=2)
-    w, dense = grouped(data, qtype, shape), reference(data, qtype, shape).astype(np.float64)  # gguf's floats
+    w = grouped8_sym(data, qtype, shape) if "sym" in kind else grouped(data, qtype, shape)
+    dense = reference(data, qtype, shape).astype(np.float64)  # gguf's floats
     x = np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32)
     y = np.asarray(jax.jit(grouped_dot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
     assert np.allclose(y, x.astype(np.float64) @ dense, rtol=0, atol=1e-5 * (np.abs(x) @ np.abs(dense)).max())

@@ -52,23 +52,31 @@ def run(x: np.ndarray, w: Int8Group, isa: int) -> np.ndarray:
     return np.asarray(kernel(isa, w.q.shape[-1])(x, *pack4.pack8(*map(jnp.asarray, w))))
 
 
-def check(y: np.ndarray, x: np.ndarray, w: Int8Group) -> None:
-    xs, wd = quantize_rows(x, 32767, 128), dense64(w)[: x.shape[1]]
+def check_dense(y: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
+    """y against the float64 product of x's int16 blocks and the float64 weight `dense` [K_pad, N]."""
+    xs, wd = quantize_rows(x, 32767, 128), dense[: x.shape[1]]
     ref, bound = xs @ wd, 1e-5 * (np.abs(xs) @ np.abs(wd)) + 1e-30
     err = np.abs(np.asarray(y, np.float64) - ref)
     assert np.all(err <= bound), f"max error {err.max():.3g} over bound {(err / bound).max():.3g}x"
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_kernel_equals_float64_reference(shape, isa):
-    k, n = shape
-    w = weight(k, n)
+def check(y: np.ndarray, x: np.ndarray, w: Int8Group) -> None:
+    check_dense(y, x, dense64(w))
+
+
+def check_batch_sizes(w, k: int, run, check, isa: int) -> None:
+    """`run(x, w, isa)` for x [B, k], B in {1, 3, 16, 17}: its shape, and `check(y, x, w)`."""
     for m in (1, 3, 16, 17):
         x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
         y = run(x, w, isa)
-        assert y.shape == (m, n)
+        assert y.shape == (m, w.q.shape[-1])
         check(y, x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_equals_float64_reference(shape, isa):
+    check_batch_sizes(weight(*shape), shape[0], run, check, isa)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q5_K], ids=lambda q: q.name)

@@ -17,6 +17,12 @@ stacks that hold any type but Q4_0/Q4_1/Q4_K (gguf_int4.py). Exact: Q4_0, Q4_1, 
   Q5_K  w = (d*sc) * q - dmin*m   → per 32-value sub-block: scale d*sc, min -(dmin*m)
 Requantized (min/max per group of 32, 255 steps: each value within (max - min) / 510 of its group's
 source values): Q6_K (whose 16-value sub-blocks have scales of their own) and every other type.
+
+`grouped8_sym` maps the types without a min into signed 8-bit groups (model/int4.Int8Sym), exactly:
+  Q4_0  w = d * (q - 8)   → q - 8,  scale d (float16, as stored)
+  Q5_0  w = d * (q - 16)  → q - 16, scale d
+  Q8_0  w = d * q         → q,      scale d
+gguf computes the same float32 product d * (q - offset), so the bits are equal (-0 included).
 """
 
 from __future__ import annotations
@@ -25,11 +31,20 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, pack_nibbles, quantize_int4, quantize_int8_groups
+from hkserve.model.int4 import (
+    GROUP,
+    Int4Weight,
+    Int8Group,
+    Int8Sym,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8_groups,
+)
 
 EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0)
 REQUANTIZED = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
 EXACT8 = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0)  # grouped8's exact mappings
+SYM8 = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 0}  # grouped8_sym's types: d * (q - offset), no min
 
 
 def _blocks(data: np.ndarray, qtype: Q) -> np.ndarray:
@@ -108,6 +123,22 @@ def grouped8(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int8Group:
     else:
         q, scale, low = _groups_q4(blocks, qtype)
     return Int8Group(_columns(q, shape).reshape(inp, out), _columns(scale, shape), _columns(low, shape))
+
+
+def grouped8_sym(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int8Sym:
+    """A Q4_0/Q5_0/Q8_0 tensor's raw bytes, `shape` [out, in] → signed 8-bit groups [in, out] (module
+    docstring): the blocks' own q - offset and float16 d, no float round trip."""
+    if qtype not in SYM8:
+        raise ValueError(f"{qtype.name} blocks have a min: no signed 8-bit group mapping")
+    out, inp = shape
+    blocks = _blocks(data, qtype)
+    if qtype == Q.Q8_0:
+        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+    else:
+        q = (_groups_q5(blocks, qtype) if qtype == Q.Q5_0 else _groups_q4(blocks, qtype))[0]
+        q = (q.astype(np.int16) - SYM8[qtype]).astype(np.int8)
+    d = np.ascontiguousarray(blocks[:, :2]).view(np.float16)[:, 0]
+    return Int8Sym(_columns(q, shape).reshape(inp, out), _columns(d, shape))
 
 
 def grouped(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Weight | Int8Group:

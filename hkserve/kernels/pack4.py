@@ -1,6 +1,7 @@
 """The int4 kernel's weight layout (q4matmul.cc), made once at load from the stored grouped weight
 (model/int4.py: nibbles [..., K/2, N], scale and min [..., K/32, N]); jnp, so it runs jitted. `pack8`:
-the same for 8-bit groups (hk_w8ga16, q8a16.h).
+the same for 8-bit groups (hk_w8ga16, q8a16.h); `pack8_sym`: signed 8-bit groups (int8 q, a float16
+scale, no min; hk_w8sa16), the same byte layout with the scale kept float16.
 
 Per 64-column tile and group of 32 inputs, 1024 bytes [4 input quads j][4 column quarters][16 columns]
 [4 inputs e]: a byte holds input 4j + e of the group in its low nibble and 16 + 4j + e in its high one.
@@ -31,25 +32,37 @@ def packed_shapes8(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, 
     return (*lead, tiles, groups, 2048), (*lead, tiles, groups, N_TILE)
 
 
-def _tiles(a: jax.Array, lead: list[int], groups: int, pad: int) -> jax.Array:
-    """A per-group param [..., G, N] → [..., N_pad/64, G, 64] (zero padding columns)."""
-    a = jnp.pad(a.astype(jnp.float32), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(*lead, groups, -1, N_TILE)
+def _tiles(a: jax.Array, lead: list[int], groups: int, pad: int, dtype=jnp.float32) -> jax.Array:
+    """A per-group param [..., G, N] → [..., N_pad/64, G, 64] `dtype` (zero padding columns)."""
+    a = jnp.pad(a.astype(dtype), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(*lead, groups, -1, N_TILE)
     return jnp.swapaxes(a, -3, -2)
 
 
-def pack8(q: jax.Array, scale: jax.Array, mins: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Stored 8-bit groups → (w [..., N_pad/64, K/32, 2048] uint8: per tile and group [8 input quads j]
-    [4 column quarters][16 columns][4 inputs 4j + e], a byte each; scale, min [..., N_pad/64, K/32, 64])."""
+def _bytes8(q: jax.Array) -> jax.Array:
+    """8-bit q [..., K, N] (uint8, or int8 as its two's complement bytes) → [..., N_pad/64, K/32, 2048]
+    uint8: per tile and group [8 input quads j][4 column quarters][16 columns][4 inputs 4j + e]."""
     *lead, k, n = q.shape
     nl, groups, pad = len(lead), k // GROUP, -(-n // N_TILE) * N_TILE - n
+    q = jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype == jnp.int8 else q.astype(jnp.uint8)
     w = jnp.pad(q.reshape(*lead, groups, 8, 4, n), [(0, 0)] * (nl + 3) + [(0, pad)])
     w = w.reshape(*lead, groups, 8, 4, -1, 4, 16)  # [..., G, j, e, T, c, 16]
     w = jnp.transpose(w, (*range(nl), nl + 3, nl, nl + 1, nl + 4, nl + 5, nl + 2))  # [..., T, G, j, c, 16, e]
-    return (
-        w.reshape(*lead, -1, groups, 2048).astype(jnp.uint8),
-        _tiles(scale, lead, groups, pad),
-        _tiles(mins, lead, groups, pad),
-    )
+    return w.reshape(*lead, -1, groups, 2048)
+
+
+def pack8(q: jax.Array, scale: jax.Array, mins: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stored 8-bit groups → (w [..., N_pad/64, K/32, 2048] uint8 (_bytes8), scale, min [..., N_pad/64,
+    K/32, 64] float32)."""
+    *lead, k, n = q.shape
+    groups, pad = k // GROUP, -(-n // N_TILE) * N_TILE - n
+    return _bytes8(q), _tiles(scale, lead, groups, pad), _tiles(mins, lead, groups, pad)
+
+
+def pack8_sym(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stored signed 8-bit groups (int8 q [..., K, N], float16 scale [..., K/32, N]) → (w [..., N_pad/64,
+    K/32, 2048] uint8 holding the int8 bytes, scale [..., N_pad/64, K/32, 64] float16)."""
+    *lead, k, n = q.shape
+    return _bytes8(q), _tiles(scale, lead, k // GROUP, -(-n // N_TILE) * N_TILE - n, jnp.float16)
 
 
 def pack4(nibbles: jax.Array, scale: jax.Array, mins: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

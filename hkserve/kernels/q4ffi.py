@@ -14,6 +14,7 @@ from hkserve.kernels import ffi
 
 TARGETS = {"w4a16": ("hk_w4a16", "HkW4A16"), "w4a8": ("hk_w4a8", "HkW4A8"), "w8ga16": ("hk_w8ga16", "HkW8GA16")}
 EIGHT_BIT = "w8ga16"  # 8-bit groups (pack4.pack8) times int16 activations: the packed weight's last dim 2048
+SYM = ("hk_w8sa16", "HkW8SA16")  # signed 8-bit groups, float16 scale, no min (pack4.pack8_sym)
 
 
 @functools.cache
@@ -21,7 +22,7 @@ def available() -> bool:
     lib = ffi.library()
     if lib is None:
         return False
-    for target, symbol in TARGETS.values():
+    for target, symbol in (*TARGETS.values(), SYM):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
 
@@ -49,12 +50,32 @@ def matmul_int4(
     in place."""
     if kind not in TARGETS:
         raise ValueError(f"int4 kernel must be one of {sorted(TARGETS)}, got {kind!r}")
+    return _call(TARGETS[kind][0], x, (packed, scale, mins), n, isa, threads, layer)
+
+
+def matmul_int8_sym(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    n: int,
+    isa: int,
+    threads: int = 0,
+    layer: jax.Array | None = None,
+) -> jax.Array:
+    """x [..., K] float32 · a packed signed 8-bit group weight (pack4.pack8_sym: uint8 [(L,) N/64, K/32,
+    2048], float16 scale [(L,) N/64, K/32, 64]) → [..., n] float32 through hk_w8sa16, x quantized per row
+    to int16 in blocks of 128 (as "w4a16"); with `layer`, a layer stack read at that layer in place."""
+    return _call(SYM[0], x, (packed, scale.astype(jnp.float16)), n, isa, threads, layer)
+
+
+def _call(target: str, x: jax.Array, weight: tuple, n: int, isa: int, threads: int, layer) -> jax.Array:
+    """One grouped kernel's FFI call on x's rows; `weight`: the packed weight's operands."""
     if not available() or isa > ffi.cpu_isa() or isa not in ffi.ISA_NAMES:
         raise RuntimeError(f"kernel isa {isa} is not available on this machine (has {ffi.cpu_isa()})")
-    if (packed.ndim == 4) != (layer is not None):
+    if (weight[0].ndim == 4) != (layer is not None):
         raise ValueError("a layer index goes with a stacked [L, ...] packed weight, and only with one")
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    call = jax.ffi.ffi_call(TARGETS[kind][0], jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y = call(rows, packed, scale, mins, index, isa=np.int64(isa), threads=np.int64(threads))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    y = call(rows, *weight, index, isa=np.int64(isa), threads=np.int64(threads))
     return y.reshape(*x.shape[:-1], n)

@@ -81,49 +81,70 @@ void quantize_a8(const float* x, Q4Problem& p) {
 // The kernels of this file: the weight's bits and the activations' (q4.h's policies).
 enum class Kind { w4a8, w4a16, w8ga16 };
 
+// x [M, K], w [(L,) N/64, K/32, bytes], scale [(L,) N/64, K/32, 64] (and min: q4call), y [M, N]: checks
+// the shapes, sets p's sizes, weight and output, and *at to the layer's offset in (tile, group) units;
+// "" or why not. With a leading L, `layer` (the scan's index, an int32 in host memory) picks the layer,
+// read in place (as hk_w8a16's stacks).
+template <class D>
+std::string grouped_problem(Q4Problem& p, D xd, D wd, D sd, D yd, ffi::Buffer<ffi::S32>& layer, const uint8_t* w,
+                            float* y, int64_t bytes, int64_t isa, int64_t* at) {
+  size_t lead = wd.size() - 3;  // 0: one weight, 1: a layer stack
+  bool same = sd.size() == wd.size();
+  for (size_t i = 0; same && i < lead + 2; ++i) same = sd[i] == wd[i];
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || !same || wd[lead + 2] != bytes || sd[lead + 2] != hk::NT ||
+      yd.size() != 2 || yd[0] != xd[0] || layer.element_count() != 1)
+    return "x must be [M, K], w [(L,) N/64, K/32, " + std::to_string(bytes) + "], scale [(L,) N/64, K/32, 64], y [M, N]";
+  int64_t layers = lead ? wd[0] : 1, l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return "layer index out of range";
+  p.m = xd[0], p.k = xd[1], p.n = yd[1], p.kp = wd[lead + 1] * G4, p.np = wd[lead] * hk::NT;
+  if (p.kp < p.k || p.kp - p.k >= G4 || p.np < p.n || p.np - p.n >= hk::NT) return "packed weight does not fit x and y";
+  if (isa != 1 && isa != 2) return "isa must be 1 (AVX2) or 2 (AVX-512 VNNI)";
+  *at = l * (p.np / hk::NT) * (p.kp / G4);
+  p.w = w + *at * bytes, p.y = y;
+  return "";
+}
+
+// Items are (tile, group of rows), as hk_w8a16's: few tiles for the threads split 16+ rows by 8.
+// rows(t, r, end) computes rows [r, end) of tile t.
+template <class Rows>
+void run_items(ffi::ThreadPool& pool, const Q4Problem& p, int64_t threads, const Rows& rows) {
+  threads = hk::call_threads(pool, threads);
+  int64_t tiles = p.np / hk::NT;
+  int64_t span = tiles < 8 * threads && p.m >= 16 ? 8 : p.m, groups = (p.m + span - 1) / span;
+  hk::parallel_tiles(pool, tiles * groups, threads, [&p, &rows, span, groups](int64_t item) {
+    int64_t r = item % groups * span;
+    rows(item / groups, r, std::min(p.m, r + span));
+  });
+}
+
 // w [(L,) N/64, K/32, B] (B: 1024 for int4, 2048 for 8-bit groups) with scale and min [(L,) N/64, K/32,
-// 64]; with a leading L, `layer` (the scan's index, an int32 in host memory) picks the layer, read in
-// place (as hk_w8a16's stacks). `name` heads the errors.
+// 64] float32 (grouped_problem). `name` heads the errors.
 ffi::Error q4call(const char* name, Kind kind, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer,
                   ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  auto fail = [name](const char* why) { return ffi::Error::InvalidArgument(std::string(name) + ": " + why); };
-  size_t lead = wd.size() - 3;  // 0: one weight, 1: a layer stack
-  bool same = sd.size() == wd.size() && mins.dimensions().size() == wd.size();
-  for (size_t i = 0; same && i < sd.size(); ++i) same = mins.dimensions()[i] == sd[i] && (i == lead + 2 || sd[i] == wd[i]);
-  const int64_t bytes = kind == Kind::w8ga16 ? hk::A8G::kBytes : GB;
-  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || !same || wd[lead + 2] != bytes || sd[lead + 2] != hk::NT ||
-      yd.size() != 2 || yd[0] != xd[0] || layer.element_count() != 1)
-    return fail("x must be [M, K], w [(L,) N/64, K/32, 1024 (int4) | 2048 (8-bit)], scale and min [(L,) N/64, K/32, 64], y [M, N]");
-  int64_t layers = lead ? wd[0] : 1, l = layer.typed_data()[0];
-  if (l < 0 || l >= layers) return fail("layer index out of range");
+  auto sd = scale.dimensions(), md = mins.dimensions();
+  bool same = md.size() == sd.size();
+  for (size_t i = 0; same && i < sd.size(); ++i) same = md[i] == sd[i];
   Q4Problem p{};
-  p.m = xd[0], p.k = xd[1], p.n = yd[1], p.kp = wd[lead + 1] * G4, p.np = wd[lead] * hk::NT;
-  if (p.kp < p.k || p.kp - p.k >= G4 || p.np < p.n || p.np - p.n >= hk::NT) return fail("packed weight does not fit x and y");
-  if (isa != 1 && isa != 2) return fail("isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  const int64_t per_layer = p.np / hk::NT * (p.kp / G4);
-  p.w = w.typed_data() + l * per_layer * bytes, p.y = y->typed_data();
-  p.sc = scale.typed_data() + l * per_layer * hk::NT, p.mn = mins.typed_data() + l * per_layer * hk::NT;
+  int64_t at = 0;
+  std::string why = same ? grouped_problem(p, x.dimensions(), w.dimensions(), sd, y->dimensions(), layer, w.typed_data(),
+                                           y->typed_data(), kind == Kind::w8ga16 ? hk::A8G::kBytes : GB, isa, &at)
+                         : "scale and min must have one shape";
+  if (!why.empty()) return ffi::Error::InvalidArgument(std::string(name) + ": " + why);
+  p.sc = scale.typed_data() + at * hk::NT, p.mn = mins.typed_data() + at * hk::NT;
   if (p.m == 0) return ffi::Error::Success();
   if (kind == Kind::w4a8)
     quantize_a8(x.typed_data(), p);
   else
     hk::quantize_a16(x.typed_data(), p);
-  threads = hk::call_threads(pool, threads);
-  // Items are (tile, group of rows), as hk_w8a16's: few tiles for the threads split 16+ rows by 8.
-  int64_t tiles = p.np / hk::NT;
-  int64_t span = tiles < 8 * threads && p.m >= 16 ? 8 : p.m, groups = (p.m + span - 1) / span;
-  auto body = [&p, kind, isa, span, groups](int64_t item) {
-    int64_t t = item / groups, r = item % groups * span, end = std::min(p.m, r + span);
+  run_items(pool, p, threads, [&p, kind, isa](int64_t t, int64_t r, int64_t end) {
     if (kind == Kind::w4a8)
       hk::run_rows<A8>(p, isa, t, r, end);
     else if (kind == Kind::w4a16)
       hk::run_rows<hk::A16>(p, isa, t, r, end);
     else
       hk::run_rows<hk::A8G>(p, isa, t, r, end);
-  };
-  hk::parallel_tiles(pool, tiles * groups, threads, body);
+  });
   return ffi::Error::Success();
 }
 
@@ -145,6 +166,23 @@ ffi::Error w8ga16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return q4call("hk_w8ga16", Kind::w8ga16, pool, x, w, scale, mins, layer, y, isa, threads);
 }
 
+// hk_w8sa16: signed 8-bit groups (q8a16.h's A8S) with a float16 scale and no min: w [(L,) N/64, K/32,
+// 2048], scale [(L,) N/64, K/32, 64] float16 (grouped_problem).
+ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
+  Q4Problem p{};
+  int64_t at = 0;
+  std::string why = grouped_problem(p, x.dimensions(), w.dimensions(), scale.dimensions(), y->dimensions(), layer,
+                                    w.typed_data(), y->typed_data(), hk::A8S::kBytes, isa, &at);
+  if (!why.empty()) return ffi::Error::InvalidArgument("hk_w8sa16: " + why);
+  const uint16_t* sc16 = scale.typed_data() + at * hk::NT;
+  if (p.m == 0) return ffi::Error::Success();
+  hk::quantize_a16(x.typed_data(), p);
+  run_items(pool, p, threads,
+            [&p, sc16, isa](int64_t t, int64_t r, int64_t end) { hk::run_rows_sym(p, sc16, isa, t, r, end); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define HK_Q4_BINDING                   \
@@ -162,3 +200,13 @@ ffi::Error w8ga16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A8, w4a8, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A16, w4a16, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8SA16, w8sa16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads"));

@@ -1,6 +1,8 @@
 """Grouped low-bit weights: int4 with a float32 scale and min per group of 32 inputs (what GGUF's 4-bit
-blocks map into exactly), and 8-bit groups of the same form (what every other GGUF block type of up to 8
-bits maps into: Q5_0/Q5_1/Q5_K/Q8_0 exactly, Q6_K by a documented requantization).
+blocks map into exactly), 8-bit groups of the same form (what every other GGUF block type of up to 8
+bits maps into: Q5_0/Q5_1/Q5_K/Q8_0 exactly, Q6_K by a documented requantization), and signed 8-bit
+groups without a min (`Int8Sym`: what GGUF's min-less Q4_0/Q5_0/Q8_0 blocks map into exactly, at 1.0625
+bytes a weight instead of 1.25).
 
 A weight [K, N] (stored [in, out], like every linear weight) is, per output column and group of 32
 consecutive inputs g, w[k, n] = scale[g, n] * q[k, n] + min[g, n], q in 0..15. The store keeps q as
@@ -38,10 +40,24 @@ class Int8Group(NamedTuple):
     min: np.ndarray | jax.Array  # [..., K_pad/32, N] float32
 
 
+class Int8Sym(NamedTuple):
+    """w[k, n] = scale[g, n] * q[k, n], q in -128..127, scale float16: GGUF's d * (q - offset) blocks
+    (Q4_0, Q5_0, Q8_0; d a float16) as they are, so no min to store, read or add."""
+
+    q: np.ndarray | jax.Array  # [..., K_pad, N] int8
+    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float16
+
+
 def is_int8_group(names: dict) -> bool:
     """Whether a module's params {w, scale, min} hold 8-bit groups (w [..., K_pad, N]) rather than
     int4 nibbles (w [..., K_pad/2, N]): the two are told apart by w's rows per group."""
     return {"w", "scale", "min"} <= set(names) and names["w"].shape[-2] == GROUP * names["scale"].shape[-2]
+
+
+def is_int8_sym(names: dict) -> bool:
+    """Whether a module's params hold signed 8-bit groups {w, scale float16} (stored or packed): the only
+    linear params with a float16 scale and no min."""
+    return "min" not in names and "scale" in names and names["scale"].dtype == np.float16
 
 
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -64,9 +80,12 @@ def _per_input(group_param, xp=np):
     return xp.repeat(group_param, GROUP, axis=-2)
 
 
-def dequantize(w: Int4Weight | Int8Group, xp=np):
+def dequantize(w: Int4Weight | Int8Group | Int8Sym, xp=np):
     """→ float32 [..., K_pad, N]: scale * q + min in float32, one rounding (scale * q is exact for
-    GGUF's scales: 11-17 significant bits times 4), as gguf's own dequantization computes it."""
+    GGUF's scales: 11-17 significant bits times 4), as gguf's own dequantization computes it; Int8Sym:
+    scale * q, the float16 scale widened exactly."""
+    if isinstance(w, Int8Sym):
+        return w.q.astype(xp.float32) * _per_input(w.scale.astype(xp.float32), xp)
     q = (w.q if isinstance(w, Int8Group) else unpack_nibbles(w.nibbles, xp)).astype(xp.float32)
     return q * _per_input(w.scale, xp) + _per_input(w.min, xp)
 
@@ -98,7 +117,7 @@ def quantize_int8_groups(w: np.ndarray) -> Int8Group:
     return Int8Group(*_minmax_groups(w, 255))
 
 
-def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group) -> jax.Array:
+def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group | Int8Sym) -> jax.Array:
     """x [..., K] · a grouped weight → [..., N] float32, dequantized in the dot's prologue (XLA fuses
     it): the fallback of the CPU kernels and the accelerators' path."""
     k = x.shape[-1]

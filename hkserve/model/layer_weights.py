@@ -30,7 +30,18 @@ class HeldWeight(NamedTuple):
     scale: jax.Array  # [L, N] float32 (int4: [L, N/64, K/32, 64])
     layer: jax.Array  # [] int32: the layer the scan is at
     mins: jax.Array | None = None  # int4 only: [L, N/64, K/32, 64] float32 (kernels/pack4.py; 8-bit groups: w
-    # [L, N/64, K/32, 2048], pack4.pack8)
+    # [L, N/64, K/32, 2048], pack4.pack8; signed 8-bit groups: no mins, scale [L, N/64, K/32, 64] float16)
+
+    def matmul(self, x: jax.Array, n: int) -> jax.Array:
+        """x [..., K] · this layer's weight → [..., n] through the active CPU kernel of its form (int8 per
+        channel: n is its scale's length)."""
+        kernel = dispatch.active()
+        if self.mins is not None:  # int4 or 8-bit groups
+            kind = q4ffi.kind_for(self.packed, kernel.int4)
+            return q4ffi.matmul_int4(x, *self[:2], self.mins, n, kind, kernel.isa, kernel.threads, layer=self.layer)
+        if self.scale.dtype == jnp.float16:  # signed 8-bit groups
+            return q4ffi.matmul_int8_sym(x, *self[:2], n, kernel.isa, kernel.threads, layer=self.layer)
+        return ffi.matmul(x, self.packed, self.scale, kernel.kind, kernel.isa, kernel.threads, layer=self.layer)
 
 
 _HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hkserve_held_weights", default=None)
@@ -43,7 +54,8 @@ def split(params: dict) -> tuple[dict, dict]:
     for module, names in params.items():
         w = names.get("w")
         int4 = "min" in names and w is not None and w.ndim == 4  # packed by kernels/pack4.py
-        if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and (w.ndim == 5 or int4):
+        sym = "min" not in names and w is not None and w.ndim == 4  # pack4.pack8_sym
+        if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and (w.ndim == 5 or int4 or sym):
             parts = ("w", "scale", "min") if int4 else ("w", "scale")
             held[module[len(STACK) :]] = tuple(names[p] for p in parts)
             others = {k: v for k, v in names.items() if k not in parts}
@@ -90,12 +102,7 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     weight = held(f"{hk.experimental.current_name()}/{name}")
     if weight is None:
         return None
-    kernel = dispatch.active()
-    if weight.mins is not None:  # int4 (8-bit groups): every part's columns, padded to whole tiles
-        n, kind = weight.packed.shape[1] * pack.N_TILE, q4ffi.kind_for(weight.packed, kernel.int4)
-        y = q4ffi.matmul_int4(x, *weight[:2], weight.mins, n, kind, kernel.isa, kernel.threads, layer=weight.layer)
-    else:
-        y = ffi.matmul(x, weight.packed, weight.scale, kernel.kind, kernel.isa, kernel.threads, layer=weight.layer)
+    y = weight.matmul(x, weight.packed.shape[1] * pack.N_TILE)  # every part's columns, padded to whole tiles
     outs, at = [], 0
     for width in widths:
         outs.append(y[..., at : at + width])

@@ -14,18 +14,21 @@ import jax.numpy as jnp
 from hkserve.kernels import dispatch, ffi, pack, pack4, q4ffi
 from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
-from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, grouped_dot
+from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, Int8Sym, grouped_dot
 
 F32 = jnp.float32
 INT4 = "int4"  # the param_dtype of int4 models' linear weights: Int4Weight params w, scale, min
 INT8G = "int8g"  # ... of those of their config.int8_linears: Int8Group params w (8-bit q), scale, min
+INT8S = "int8s"  # ... of their config.int8_sym_linears: Int8Sym params w (int8 q), scale (float16)
 
 
 def param_dtype(config: ModelConfig, name: str | None = None):
     """Storage dtype of weight matrices (norm scales stay float32 for int8 weights); `name`: the linear
-    module's, which an int4 model may keep in 8-bit groups (config.int8_linears)."""
+    module's, which an int4 model may keep in 8-bit groups (config.int8_linears, int8_sym_linears)."""
     if name is not None and name in config.int8_linears:
         return INT8G
+    if name is not None and name in config.int8_sym_linears:
+        return INT8S
     return {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "int4": INT4}.get(config.dtype, F32)
 
 
@@ -109,18 +112,12 @@ class Linear(hk.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         held = layer_weights.held(hk.experimental.current_name())
-        kernel = dispatch.active()
-        if held is not None and held.mins is not None:  # int4 (8-bit groups), kernel mode inside the layer stack
-            kind = q4ffi.kind_for(held.packed, kernel.int4)
-            y = q4ffi.matmul_int4(
-                x, *held[:2], held.mins, self.out_dim, kind, kernel.isa, kernel.threads, layer=held.layer
-            )
-        elif held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
-            y = ffi.matmul(x, held.packed, held.scale, kernel.kind, kernel.isa, kernel.threads, layer=held.layer)
+        if held is not None:  # kernel mode inside the layer stack: the kernel reads its layer in place
+            y = held.matmul(x, self.out_dim)
         elif self.dtype == INT4:
             y = _int4_linear(x, self.out_dim)
-        elif self.dtype == INT8G:
-            y = _int8_group_linear(x, self.out_dim)
+        elif self.dtype in (INT8G, INT8S):
+            y = _int8_group_linear(x, self.out_dim, signed=self.dtype == INT8S)
         else:
             w, scale = quantized_weight("w", [x.shape[-1], self.out_dim], self.dtype, [self.out_dim], x.shape[-1])
             y = qdot(x, w, scale)
@@ -129,20 +126,22 @@ class Linear(hk.Module):
         return y
 
 
-def _int8_group_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int8Group [K, out_dim] (K padded to whole groups): hk_w8ga16 with the CPU kernels, else
-    dequantized in the dot (XLA)."""
+def _int8_group_linear(x: jax.Array, out_dim: int, signed: bool) -> jax.Array:
+    """x · an Int8Group [K, out_dim] (K padded to whole groups; `signed`: an Int8Sym, int8 q and a float16
+    scale, no min): hk_w8ga16 (hk_w8sa16) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
     kernel = dispatch.active()
-    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8)
+    names, dtype = ("scale",) if signed else ("scale", "min"), jnp.float16 if signed else F32
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8, pack8_sym)
         wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
         w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
-        scale, low = (hk.get_parameter(n, sshape, F32, init=jnp.zeros) for n in ("scale", "min"))
-        return q4ffi.matmul_int4(x, w, scale, low, out_dim, q4ffi.EIGHT_BIT, kernel.isa, kernel.threads)
-    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.uint8, init=jnp.zeros)
-    scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
-    low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)
-    return grouped_dot(x, Int8Group(q, scale, low))
+        scale, *low = (hk.get_parameter(n, sshape, dtype, init=jnp.zeros) for n in names)
+        if signed:
+            return q4ffi.matmul_int8_sym(x, w, scale, out_dim, kernel.isa, kernel.threads)
+        return q4ffi.matmul_int4(x, w, scale, *low, out_dim, q4ffi.EIGHT_BIT, kernel.isa, kernel.threads)
+    q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.int8 if signed else jnp.uint8, init=jnp.zeros)
+    parts = (hk.get_parameter(n, [groups, out_dim], dtype, init=jnp.ones if n == "scale" else jnp.zeros) for n in names)
+    return grouped_dot(x, (Int8Sym if signed else Int8Group)(q, *parts))
 
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:

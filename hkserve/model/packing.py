@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import pack, pack4
-from hkserve.model.int4 import is_int8_group
+from hkserve.model.int4 import is_int8_group, is_int8_sym
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -45,6 +46,11 @@ def pack_layers(params: dict, served: dict) -> dict:
                 out[module].update(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
             assert all(out[module][n].shape == want[n].shape for n in ("w", "scale", "min")), module
             continue
+        if is_int8_sym(names) and want["w"].dtype == jnp.uint8:  # signed 8-bit groups (pack4.pack8_sym)
+            if names["w"].shape != want["w"].shape:
+                out[module].update(zip(("w", "scale"), pack4.pack8_sym(names["w"], names["scale"])))
+            assert all(out[module][n].shape == want[n].shape for n in ("w", "scale")), module
+            continue
         for name, value in names.items():
             if want[name].dtype == jnp.uint8 and value.dtype != jnp.uint8:
                 out[module][name] = pack.pack(jnp.swapaxes(value, -1, -2) if name == "embeddings" else value)
@@ -65,10 +71,13 @@ def unpack_layers(params: dict, plain: dict) -> dict:
     for module, names in params.items():
         out[module] = dict(names)
         want = plain[module]
-        if "min" in names and names["w"].shape != want["w"].shape:
+        sym = is_int8_sym(names)
+        if ("min" in names or sym) and names["w"].shape != want["w"].shape:
             unpack = _unpack8g if names["w"].shape[-1] == 2048 else _unpack4
-            out[module].update(w=unpack(names["w"], want["w"].shape[-1]))
-            out[module].update({n: _untile(names[n], want[n].shape[-1], want[n].dtype) for n in ("scale", "min")})
+            w = unpack(names["w"], want["w"].shape[-1])
+            out[module].update(w=jax.lax.bitcast_convert_type(w, jnp.int8) if sym else w)
+            groups = ("scale",) if sym else ("scale", "min")
+            out[module].update({n: _untile(names[n], want[n].shape[-1], want[n].dtype) for n in groups})
         else:
             for name, value in names.items():
                 if value.dtype == jnp.uint8 and want[name].dtype == jnp.int8:
@@ -113,12 +122,18 @@ def _untile(tiled, n: int, dtype):
 
 
 def _fusable(entry: dict | None) -> bool:
-    """A packed stacked weight without a bias: int8 (w, scale) or int4 (w, scale, min; kernels/pack4.py)."""
+    """A packed stacked weight without a bias: int8 (w, scale), int4 or 8-bit groups (w, scale, min;
+    kernels/pack4.py), signed 8-bit groups (w, float16 scale; pack4.pack8_sym)."""
     if entry is None or entry["w"].dtype != jnp.uint8:
         return False
-    return (set(entry) == {"w", "scale"} and entry["w"].ndim == 5) or (
+    return (set(entry) == {"w", "scale"} and entry["w"].ndim == (4 if is_int8_sym(entry) else 5)) or (
         set(entry) == {"w", "scale", "min"} and entry["w"].ndim == 4
     )
+
+
+def _form(entry: dict) -> tuple:
+    """What a packed weight's kernel is told by: its bytes per (tile, group) or row, scale dtype, a min."""
+    return entry["w"].shape[-1], entry["scale"].dtype, "min" in entry
 
 
 def fuse(params: dict) -> dict:
@@ -132,11 +147,11 @@ def fuse(params: dict) -> dict:
                 continue
             parent = module[: -len(parts[0])]
             entries = [params.get(parent + part) for part in parts]
-            if not all(_fusable(e) for e in entries) or len({e["w"].shape[-1] for e in entries}) > 1:
-                continue  # (int4 and 8-bit groups are not fused together)
+            if not all(_fusable(e) for e in entries) or len({_form(e) for e in entries}) > 1:
+                continue  # (int4, 8-bit groups and signed ones are not fused together)
             for part in parts:
                 del out[parent + part]
-            if "min" in entries[0]:  # int4: w, scale and min are all per tile [L, N/64, ...]
+            if entries[0]["w"].ndim == 4:  # grouped: w, scale (and min) are all per tile [L, N/64, ...]
                 out[parent + name] = {n: jnp.concatenate([e[n] for e in entries], axis=1) for n in entries[0]}
                 continue
             scales = []
