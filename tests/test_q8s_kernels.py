@@ -137,7 +137,8 @@ def test_an_int4_model_with_signed_8_bit_stacks_through_the_kernels_follows_xla(
             params[module] = dict(zip(("w", "scale"), absmax_sym(master[module]["w"])))
     eight = tuple(n for n in config.int8_linears if n not in sym)
     config = config.replace(int8_linears=eight, int8_sym_linears=tuple(sorted(sym)))
-    model = build_model(config, dispatch.resolve("auto", "int4"))
+    # w4a16: the int16 activations this 2e-3 bound was set for (auto's hk_w4a8 rounds them to int8 per 32)
+    model = build_model(config, dispatch.resolve("w4a16", "int4"))
     packed = jax.jit(model.prepare)(params)
     layers = "decoder/layers/"
     if len(sym) > 1:
