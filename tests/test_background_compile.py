@@ -139,9 +139,10 @@ def test_an_unknown_compile_mode_is_refused():
 
 # -- every kind of request after the background compiles -------------------------------------------
 GRAMMAR_CONFIG = tiny_config(vocab_size=300)  # the byte tokenizer's grammar needs its 256 bytes
-SERVED = EngineOptions(slots=2, max_len=128, prefill_buckets=(8, 32), structured=True, prefix_cache="on")
-SERVED_CUT = 32  # rare: the 128 window's programs (a step, its constrained step, copies, chunks) and scoring
+SERVED = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32), structured=True, prefix_cache="on")
+SERVED_CUT = 32  # rare: the 128 and 256 windows' programs (steps, constrained steps, copies, chunks), scoring
 TURN = np.random.default_rng(3).integers(0, 96, 40).tolist()  # two chunks, the second at the 128 window
+SEEN = list(range(200))  # most tokens seen: a continuation soon finds its last token in it (drafts)
 
 
 def compiled_in_background(engine) -> tuple[InferenceRunner, int]:
@@ -172,7 +173,7 @@ def test_after_the_background_compiles_no_kind_of_request_compiles_anything(comp
     model = build_model(GRAMMAR_CONFIG)
     engine = Engine(model, model.init(jax.random.PRNGKey(5)), SERVED)
     runner, pending = compiled_in_background(engine)
-    assert pending > len(SCORING)  # the cut left the 128 window's programs and scoring for after ready
+    assert pending > len(SCORING)  # the cut left the windows' programs and scoring for after ready
     grammar = GrammarCompiler(byte_tokenizer(), 300).compile(GrammarSpec("regex", "(ab|cd){2,4}!"))
     compiles.clear()
     reply = [e.token.id for e in run(runner, Request(TURN, 6))[0] if e.token]
@@ -186,7 +187,8 @@ def test_after_the_background_compiles_no_kind_of_request_compiles_anything(comp
 
     spec = SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0))
     runner, pending = compiled_in_background(spec)  # its own programs: the engine's are all compiled
+    assert pending == 1  # the 256 window's verify step
     compiles.clear()
-    run(runner, Request(list(range(90)), 20), Request(TURN, 2, prompt_logprobs=1))  # drafts: tokens seen
-    assert spec.counts.verify_rows > 0  # it drafted
+    run(runner, Request(SEEN, 30), Request(TURN, 2, prompt_logprobs=1))  # verify steps at the 256 window
     assert compiles == []
+    assert spec.counts.verify_rows > 0  # it drafted
