@@ -15,11 +15,14 @@ from helpers import tiny_config
 
 from hkserve.api.app import create_app
 from hkserve.engine.background_compile import Compiles
+from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.programs import ProgramTable
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
+from hkserve.engine.spec_policy import SpecConfig
+from hkserve.engine.speculative import SpeculativeEngine
 from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 from hkserve.train.vocab import byte_tokenizer
@@ -29,6 +32,7 @@ MODEL = build_model(CONFIG)
 PARAMS = MODEL.init(jax.random.PRNGKey(5))
 OPTIONS = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32))  # windows 128, 256
 CUT = 128  # common: contexts up to 128 tokens; rare: the 256 window's step and long prompts' chunks
+SCORING = [(8, 0), (32, 0), (32, 128), (32, 256)]  # a scoring prefill's (bucket, window): one-shot chunks
 LONG = np.random.default_rng(2).integers(0, 96, 200).tolist()  # 7 chunks, reaching the 256 window
 
 
@@ -53,11 +57,14 @@ def test_lazy_gives_eagers_tokens_for_a_long_prompt_with_fewer_programs_before_r
     Compiles(lazy, "lazy", upto=CUT).before_ready()
     lazy_before_ready = len(compiles)
     rare = lazy.rare_calls(CUT)
-    assert {c.context for c in rare} == {256} and len(rare) == 2  # the 256 window's step and continuation chunk
+    long = [c for c in rare if c.common]
+    assert {c.context for c in long} == {256} and len(long) == 2  # the 256 window's step and continuation chunk
+    assert lazy.scoring_chunks() == SCORING and len(rare) == len(long) + len(SCORING)  # scoring: any context
     assert len(lazy.programs) == len(eager.programs) - len(rare)
     assert 0 < lazy_before_ready <= eager_before_ready - len(rare)
     assert served(lazy, long_request()) == served(eager, long_request())
-    assert lazy.rare_calls(CUT) == []  # the request compiled them on the spot
+    left = lazy.rare_calls(CUT)  # the request compiled its own on the spot; no scoring program
+    assert len(left) == len(SCORING) and not any(c.common for c in left)
 
 
 def test_a_background_compiled_program_is_used_without_another_compile(compiles):
@@ -75,14 +82,15 @@ def test_a_background_compiled_program_is_used_without_another_compile(compiles)
 
     before_ready = len(engine.programs)
     assert health()["status"] == "ok"
-    assert health()["programs"] == {"mode": "background", "compiled": before_ready, "pending": 2}
+    rare = 2 + len(SCORING)  # the 256 window's step and continuation chunk, and scoring
+    assert health()["programs"] == {"mode": "background", "compiled": before_ready, "pending": rare}
     compiles.clear()
     background.run_pending(limit=1)  # the background thread's progress, one program at a time
-    assert health()["programs"] == {"mode": "background", "compiled": before_ready + 1, "pending": 1}
+    assert health()["programs"] == {"mode": "background", "compiled": before_ready + 1, "pending": rare - 1}
     assert not background.finished.is_set()
     background.run_pending()
-    assert health()["programs"] == {"mode": "background", "compiled": before_ready + 2, "pending": 0}
-    assert len(compiles) == 2 and background.finished.is_set()
+    assert health()["programs"] == {"mode": "background", "compiled": before_ready + rare, "pending": 0}
+    assert len(compiles) == rare and background.finished.is_set()
     assert background.status()["pending"] == 0 and engine.rare_calls(CUT) == []
     compiles.clear()
     assert len(served(engine, long_request())) == 40
@@ -127,3 +135,60 @@ def test_a_failed_compile_reaches_its_waiters_and_the_next_asker_compiles_again(
 def test_an_unknown_compile_mode_is_refused():
     with pytest.raises(ValueError, match="eager, background, lazy"):
         Compiles(Engine(MODEL, PARAMS, EngineOptions(slots=1, max_len=64)), "sometimes")
+
+
+# -- every kind of request after the background compiles -------------------------------------------
+GRAMMAR_CONFIG = tiny_config(vocab_size=300)  # the byte tokenizer's grammar needs its 256 bytes
+SERVED = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32), structured=True, prefix_cache="on")
+SERVED_CUT = 32  # rare: the 128 and 256 windows' programs (steps, constrained steps, copies, chunks), scoring
+TURN = np.random.default_rng(3).integers(0, 96, 40).tolist()  # two chunks, the second at the 128 window
+SEEN = list(range(200))  # most tokens seen: a continuation soon finds its last token in it (drafts)
+
+
+def compiled_in_background(engine) -> tuple[InferenceRunner, int]:
+    """A runner over `engine` (made first: its token budget picks the chunk sizes the inventory holds)
+    once the background compiles are all done, and how many there were; the test drives its loop."""
+    runner = InferenceRunner(engine)
+    background = Compiles(engine, "background", upto=SERVED_CUT)
+    background.before_ready()
+    pending = background.status()["pending"]
+    background.run_pending()
+    assert background.finished.is_set()
+    return runner, pending
+
+
+def run(runner: InferenceRunner, *requests: Request) -> list[list]:
+    """Submit the requests, drive the loop until idle → each one's events (every one finished)."""
+    streams = [runner.submit(r) for r in requests]
+    while runner.iterate():
+        pass
+    events = [list(s) for s in streams]
+    assert all(e[-1].finish_reason in ("stop", "length") for e in events), events
+    return events
+
+
+def test_after_the_background_compiles_no_kind_of_request_compiles_anything(compiles):
+    """Plain, scored (echo / prompt logprobs), grammar-constrained and a prefix-cached second turn on a
+    structured prefix-caching paged engine; then, the same engine speculating, a drafting request."""
+    model = build_model(GRAMMAR_CONFIG)
+    engine = Engine(model, model.init(jax.random.PRNGKey(5)), SERVED)
+    runner, pending = compiled_in_background(engine)
+    assert pending > len(SCORING)  # the cut left the windows' programs and scoring for after ready
+    grammar = GrammarCompiler(byte_tokenizer(), 300).compile(GrammarSpec("regex", "(ab|cd){2,4}!"))
+    compiles.clear()
+    reply = [e.token.id for e in run(runner, Request(TURN, 6))[0] if e.token]
+    second = Request(TURN + reply + [7, 8, 9], 4)
+    streams = [runner.submit(second), runner.submit(Request([5, 6, 7], 4))]
+    scored = run(runner, Request(TURN, 3, logprobs=2, prompt_logprobs=2))[0]
+    assert [list(s)[-1].finish_reason for s in streams] == ["length"] * 2 and streams[0].cached_tokens > 0
+    assert len(scored[0].prompt) == len(TURN) - 1  # every prompt token after the first scored
+    run(runner, Request([5, 6, 7], 12, SamplingParams(temperature=1.0, seed=1), grammar=grammar))
+    assert compiles == []
+
+    spec = SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0))
+    runner, pending = compiled_in_background(spec)  # its own programs: the engine's are all compiled
+    assert pending == 1  # the 256 window's verify step
+    compiles.clear()
+    run(runner, Request(SEEN, 30), Request(TURN, 2, prompt_logprobs=1))  # verify steps at the 256 window
+    assert compiles == []
+    assert spec.counts.verify_rows > 0  # it drafted

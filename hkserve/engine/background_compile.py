@@ -1,8 +1,8 @@
 """When a server's programs compile, around /health turning ready (`hkserve serve --compile MODE`):
 
-  * "eager": every program before ready (a start pays for long prompts it may never see);
+  * "eager": every program before ready (a start pays for long prompts and scoring it may never see);
   * "background" (the default): the common programs (warmup.COMMON_CONTEXT) before ready, the rare
-    rest after it on one thread, smallest context first;
+    rest (scoring at any context among them) after it on one thread, smallest context first;
   * "lazy": the common programs before ready, each rare one when a request first needs it.
 
 Whatever the mode, a request never fails on a program not compiled yet: the engine's program table
@@ -55,9 +55,18 @@ class Compiles:
             self.engine.warmup()  # a LeaderEngine's takes no cut
         else:
             self.engine.warmup(self.upto)
-        if self.mode == "background":
+        if self.mode != "lazy":
             with self._lock:
-                self._pending = base_engine(self.engine).rare_calls(self.upto)
+                self._pending = self._rare_calls(None if self.mode == "eager" else self.upto)
+        if self.mode == "eager":  # the programs no cut lets warmup() compile (scoring): now, before ready
+            self.run_pending()
+
+    def _rare_calls(self, upto: int | None) -> list[ProgramCall]:
+        """What `warmup(upto)` left out (a speculating engine's own programs too). A LeaderEngine has no
+        such list: its warmup compiles what it does on every host before ready (background_compile's
+        docstring), and what it leaves out (scoring) every host compiles when a request first needs it."""
+        rare_calls = getattr(self.engine, "rare_calls", None)
+        return rare_calls(upto) if rare_calls is not None else []
 
     def start(self, on_finished: Callable[[], None] | None = None) -> None:
         """After ready: compile the pending programs on a thread (background mode; in the others nothing
@@ -83,7 +92,7 @@ class Compiles:
                     break
                 call = self._pending[0]
             try:
-                call.program.compile(*call.program.full_args(call.host))
+                call.compile()
             except Exception:
                 log.exception("background compile of a %d-token program failed", call.context)
             with self._lock:

@@ -79,10 +79,20 @@ class Program:
     that are the params and the state, with their abstract values (their signature never changes)."""
 
     def __init__(self, table: ProgramTable, name: tuple, jitted, fixed: dict[int, Any]):
+        if sorted(fixed) != list(range(len(fixed))):
+            raise ValueError(f"the fixed arguments come first, not at {sorted(fixed)}")
         self.table, self.name, self.jitted, self.fixed = table, name, jitted, fixed
+        # The loop's path: each host signature's executable, found without building a table key (a
+        # key costs ~10 us a call; the tiny model's whole step ~1 ms: docs/benchmarks.md).
+        self._by_signature: dict[tuple, jax.stages.Compiled] = {}
+
+    @staticmethod
+    def _signature(host: tuple) -> tuple:
+        """The host arguments' (shape, dtype) per leaf, as they come: hashable, nothing converted."""
+        return tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(host))
 
     def key(self, args: tuple) -> Key:
-        leaves = jax.tree_util.tree_leaves([a for i, a in enumerate(args) if i not in self.fixed])
+        leaves = jax.tree_util.tree_leaves(args[len(self.fixed) :])
         return (*self.name, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
 
     def compile(self, *args) -> jax.stages.Compiled:
@@ -98,4 +108,8 @@ class Program:
         return self.jitted.lower(*(self.fixed.get(i, a) for i, a in enumerate(args)))
 
     def __call__(self, *args):
-        return self.compile(*args)(*args)
+        signature = self._signature(args[len(self.fixed) :])
+        executable = self._by_signature.get(signature)
+        if executable is None:  # first call of this signature here: the table's (compiled if need be)
+            executable = self._by_signature[signature] = self.compile(*args)
+        return executable(*args)

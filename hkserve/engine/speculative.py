@@ -27,8 +27,10 @@ from hkserve.engine.engine import Engine
 from hkserve.engine.forwarding import ForwardsQueries
 from hkserve.engine.outputs import PendingTokens, Token
 from hkserve.engine.prefill_job import OneShotPrefill
+from hkserve.engine.programs import Program, abstract
 from hkserve.engine.spec_policy import SpecConfig, SpecCounts, SpecPolicy
 from hkserve.engine.verify import EXTRA, append_inputs, verify_step, write_prompt
+from hkserve.engine.warmup import ProgramCall, after_ready, before_ready
 from hkserve.model.ngram import first_draft
 
 
@@ -104,8 +106,9 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
         self._flights: dict[int, _Flight] = {}
         self._seq = 0
         self._context_sharding = NamedSharding(engine.mesh, P("data", None))
-        self._compiled: dict = {}
+        self._compiled: dict[tuple[str, int], Program] = {}
         self._new_context()
+        self._context_spec = abstract(self.context)  # what every lowering takes for it
 
     @property
     def step_tokens(self) -> int:
@@ -129,28 +132,47 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
         self._flights.clear()
 
     # -- compiled programs ----------------------------------------------------------------------
-    def _fn(self, kind: str, attend_len: int = 0):
+    def _fn(self, kind: str, attend_len: int = 0) -> Program:
+        """The program of `kind` ("verify" at a window, "append", "prompt"), compiled ahead of time on
+        first use in the Engine's table (programs.py), like the Engine's own."""
         key = (kind, attend_len)
         if key not in self._compiled:
             e, rep, ctx = self.inner, self.inner._sharding(), self._context_sharding
+            (params_spec, state_spec), context_spec = e._specs, self._context_spec
             if kind == "verify":
                 c = self.config
                 fn = functools.partial(verify_step, e.model, e.n_top, c.k, c.ngram_sizes, attend_len)
-                self._compiled[key] = jax.jit(
-                    fn,
-                    in_shardings=(e.param_shardings, e.state_shardings, ctx, rep, rep),
-                    out_shardings=(e.state_shardings, ctx, rep),
-                    donate_argnums=(1, 2),
-                )
+                in_sh, out_sh = (e.param_shardings, e.state_shardings, ctx, rep, rep), (e.state_shardings, ctx, rep)
+                jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1, 2))
+                fixed = {0: params_spec, 1: state_spec, 2: context_spec}
             elif kind == "append":
-                self._compiled[key] = jax.jit(
-                    append_inputs, in_shardings=(e.state_shardings, ctx, rep), out_shardings=ctx, donate_argnums=(1,)
-                )
+                in_sh = (e.state_shardings, ctx, rep)
+                jitted = jax.jit(append_inputs, in_shardings=in_sh, out_shardings=ctx, donate_argnums=(1,))
+                fixed = {0: state_spec, 1: context_spec}
             else:
-                self._compiled[key] = jax.jit(
-                    write_prompt, in_shardings=(ctx, rep, rep), out_shardings=ctx, donate_argnums=(0,)
-                )
+                jitted = jax.jit(write_prompt, in_shardings=(ctx, rep, rep), out_shardings=ctx, donate_argnums=(0,))
+                fixed = {0: context_spec}
+            self._compiled[key] = Program(e.programs, ("speculative", *key), jitted, fixed)
         return self._compiled[key]
+
+    def _own_calls(self) -> list[ProgramCall]:
+        """This engine's programs: the context's two (a prompt written, a plain step's inputs appended)
+        and a verify step per window."""
+        e = self.inner
+        active = np.zeros(e.slots, bool)
+        return [
+            ProgramCall(0, self._fn("prompt"), (np.int32(0), np.zeros(e.max_len, np.int32))),
+            ProgramCall(0, self._fn("append"), (active,)),
+            *(ProgramCall(w, self._fn("verify", w), (active, active)) for w in e.windows),
+        ]
+
+    def program_calls(self) -> list[ProgramCall]:
+        """The Engine's inventory (warmup.py) and this engine's programs, smallest context first."""
+        return sorted([*self.inner.program_calls(), *self._own_calls()], key=lambda c: c.context)
+
+    def rare_calls(self, upto: int | None) -> list[ProgramCall]:
+        """What `warmup(upto)` leaves out and is not compiled since (warmup.py)."""
+        return after_ready(self.program_calls(), upto)
 
     # -- the Engine's interface -----------------------------------------------------------------
     def _started(self, slot: int, prompt_ids) -> None:
@@ -254,15 +276,17 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
             self.policy.observe(slot, drafted, emitted)
 
     def warmup(self, upto: int | None = None) -> None:
-        """The Engine's programs (those up to `upto` tokens of context: warmup.py), then a verify step per
-        window and the context programs."""
+        """The Engine's programs and this engine's (those up to `upto` tokens of context: warmup.py)
+        compiled ahead of time; then what a compile cannot prove run once: a prompt, a plain step's
+        append and a verify step at the smallest window."""
         e = self.inner
+        for call in before_ready(self._own_calls(), upto):
+            call.compile()
         e.warmup(upto)
         first = np.eye(e.slots, dtype=bool)[0]
         self._started(0, [0])
         self.context = self._fn("append")(e.state, self.context, first)
-        for w in e.windows:
-            e.state, self.context, packed = self._fn("verify", w)(e.params, e.state, self.context, first, first)
+        e.state, self.context, packed = self._fn("verify", e.windows[0])(e.params, e.state, self.context, first, first)
         np.asarray(packed)
         e.positions[:] = 0
         self.policy.restart(0)

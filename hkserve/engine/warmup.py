@@ -1,11 +1,13 @@
 """What an Engine compiles before it serves (so no request waits on a compile that would stall every
 slot): each prefill bucket, the continuation chunks of long prompts, the prefix cache's copy programs,
-the batched-prefill rows programs, each decode window and the split step of grammar-constrained batches.
+the batched-prefill rows programs, the paged block table's update, each decode window and the split
+step of grammar-constrained batches; and what few requests need: the scoring prefill's programs.
 
 The inventory is a list of program calls, each with the longest context it serves. `warmup(upto)`
-compiles those up to a context ahead of time (programs.py: nothing runs), the "common" programs
-that the first ordinary chats need; the rest ("rare": long prompts' buckets and chunks, long windows)
-are compiled after the server is ready by background_compile.py, or when first needed.
+compiles the common ones up to a context ahead of time (programs.py: nothing runs), those that the
+first ordinary chats need; the rest ("rare": long prompts' buckets and chunks, long windows, and
+scoring at any context) are compiled after the server is ready by background_compile.py, or when
+first needed. A wrapping engine (speculative.py) adds its own calls to the same inventory.
 
 A mixin of Engine (engine.py); Engine provides the programs and the host state they use.
 """
@@ -30,6 +32,25 @@ class ProgramCall(NamedTuple):
     context: int  # the longest context (tokens) the program serves: what the common/rare cut measures
     program: Any  # programs.Program
     host: tuple  # example host arguments (those after the params and the state)
+    common: bool = True  # False: after ready whatever its context (few requests need it: scoring)
+
+    def compile(self) -> None:
+        """Its executable, compiled ahead of time (nothing runs) unless it is already."""
+        self.program.compile(*self.program.full_args(self.host))
+
+    def compiled(self) -> bool:
+        return self.program.table.has(self.program.key(self.program.full_args(self.host)))
+
+
+def before_ready(calls: list[ProgramCall], upto: int | None) -> list[ProgramCall]:
+    """The calls `warmup(upto)` compiles: the common ones serving up to `upto` tokens (None: any)."""
+    return [c for c in calls if c.common and (upto is None or c.context <= upto)]
+
+
+def after_ready(calls: list[ProgramCall], upto: int | None) -> list[ProgramCall]:
+    """The calls `warmup(upto)` leaves out and not compiled since, in their order (smallest context first)."""
+    ahead = {id(c) for c in before_ready(calls, upto)}
+    return [c for c in calls if id(c) not in ahead and not c.compiled()]
 
 
 class Warmup:
@@ -52,11 +73,26 @@ class Warmup:
         sizes = sorted({*self.chunk_sizes, self.prefill_buckets[-1]})
         return [(c, w) for c in sizes for w in self.continuation_windows(c)]
 
+    def scoring_chunks(self) -> list[tuple[int, int]]:
+        """(bucket, window) of a scoring prefill's chunks. It reuses no prefix (admission.py) and runs
+        whole, so the one-shot plan's: its first chunk at any bucket (window 0: the slot starts afresh),
+        the later ones at the largest (the exact mode's: every chunk its fixed one)."""
+        chunk = self.prefill_chunk or self.prefill_buckets[-1]
+        firsts = (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets
+        return [(b, 0) for b in firsts] + [(chunk, w) for w in self.continuation_windows(chunk)]
+
     def program_calls(self) -> list[ProgramCall]:
         """Every program serving may need (len(buckets) + 2 × len(windows), whatever the number of slots,
-        plus the rows, copy and constrained-step programs where those are on), smallest context first."""
+        plus the rows, copy, table and constrained-step programs where those are on, and the scoring
+        prefill's), smallest context first."""
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
         calls = []
+        if self.kv_pool is not None:  # the paged layout's block table into the state
+            calls.append(ProgramCall(0, self._compiled_fn("table", 0), (np.zeros_like(self.kv_pool.table),)))
+        for bucket, window in self.scoring_chunks():
+            targets = np.zeros((1, bucket), np.int32)
+            host = (*self._chunk_args(0, [0], bucket, row), targets)
+            calls.append(ProgramCall(window or bucket, self._compiled_fn("score", window), host, common=False))
         for bucket in (self.prefill_chunk,) if self.prefill_chunk else self.prefill_buckets:
             calls.append(ProgramCall(bucket, self._compiled_fn("prefill", 0), self._chunk_args(0, [0], bucket, row)))
         for bucket, window in self.continuation_programs():
@@ -87,12 +123,11 @@ class Warmup:
         return [ProgramCall(window, self._compiled_fn("forward", window), (active,)), ProgramCall(window, *sample)]
 
     def warmup(self, upto: int | None = None) -> None:
-        """Compile now, not on a request (when a compile would stall every slot), every program serving
-        contexts up to `upto` tokens (None: all), ahead of time; then run what a compile cannot prove:
+        """Compile now, not on a request (when a compile would stall every slot), every common program
+        serving contexts up to `upto` tokens (None: any), ahead of time; then run what a compile cannot prove:
         one prefill and one decode step (the host side, and the few small programs around them)."""
-        for call in self.program_calls():
-            if upto is None or call.context <= upto:
-                call.program.compile(*call.program.full_args(call.host))
+        for call in before_ready(self.program_calls(), upto):
+            call.compile()
         self.prefill(0, [0]).read()
         only_first = np.eye(self.slots, dtype=bool)[0]
         self.step(only_first).read()
@@ -101,9 +136,6 @@ class Warmup:
             self._new_pool()
             self.sync_table()
 
-    def rare_calls(self, upto: int) -> list[ProgramCall]:
+    def rare_calls(self, upto: int | None) -> list[ProgramCall]:
         """The programs `warmup(upto)` leaves out and not compiled since, smallest context first."""
-        calls = self.program_calls()
-        return [
-            c for c in calls if c.context > upto and not self.programs.has(c.program.key(c.program.full_args(c.host)))
-        ]
+        return after_ready(self.program_calls(), upto)
