@@ -92,9 +92,25 @@ def _logged(lines: queue.SimpleQueue, marker: str, within: float) -> dict:
             return json.loads(line.split(marker, 1)[1])
 
 
+def _one_chat(port: int, model: str) -> None:
+    """One short greedy chat request (16 tokens), as llama_rss.py's probe sends llama.cpp."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+    body["temperature"] = 0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"the chat request failed: {response.status} {response.read()[:500]!r}")
+        response.read()
+    finally:
+        conn.close()
+
+
 def start_once(args, weights: str, cache: str) -> dict:
     """One start of `serve` with this compile cache: seconds to /health 200 seen from here, the server's
-    split and memory, and its VmRSS then."""
+    split and memory, its VmRSS then, and its VmRSS after one chat request once every program is
+    compiled (a request's run allocates its programs' temp memory)."""
     port = _port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--slots", str(args.slots), "--max-len", str(args.max_len), "--weights", weights]
@@ -114,6 +130,9 @@ def start_once(args, weights: str, cache: str) -> dict:
         record["ready_s_client"] = round(ready_s, 3)
         record["rss_mib_client"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         record["compiled_s"] = _logged(lines, COMPILED_LINE, within=args.ready_within)["finished_s"]
+        record["rss_mib_compiled"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        _one_chat(port, args.model)
+        record["rss_mib_after_request"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         return record
     finally:
         server.send_signal(signal.SIGTERM)
@@ -131,9 +150,15 @@ def _summary(weights: str, start: str, r: dict) -> str:
     return (
         f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}), all compiled {r['compiled_s']:.1f} s; "
         f"programs {c['programs']}, "
-        f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB "
+        f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB, all compiled "
+        f"{r['rss_mib_compiled']:.0f}, after a request {r['rss_mib_after_request']:.0f} "
         f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
-        f"not arrays {mib['not_arrays']})" + (f"; {r['rss_vs_llama']:.2f}x llama.cpp's" if "rss_vs_llama" in r else "")
+        f"not arrays {mib['not_arrays']})"
+        + (
+            f"; {r['rss_vs_llama']:.2f}x llama.cpp's ({r['rss_after_request_vs_llama']:.2f}x after a request)"
+            if "rss_vs_llama" in r
+            else ""
+        )
     )
 
 
@@ -167,7 +192,11 @@ def run(args) -> int:
                 start = "warm" if n else "cold"
                 record = start_once(args, weights, cache)
                 if llama:
-                    record["rss_vs_llama"] = round(record["rss_mib_client"] / llama["rss_mib_after_request"], 2)
+                    for mine, ratio in (
+                        ("rss_mib_client", "rss_vs_llama"),
+                        ("rss_mib_after_request", "rss_after_request_vs_llama"),
+                    ):
+                        record[ratio] = round(record[mine] / llama["rss_mib_after_request"], 2)
                 runs.append({"weights": weights, "start": start, **record})
                 print(_summary(weights, start, record), flush=True)
         finally:

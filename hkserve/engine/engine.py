@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hkserve.engine.compiler_options import compiler_options
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.outputs import PendingLogits, PendingTokens, pack, score_targets
 from hkserve.engine.paged_slots import PagedSlots
@@ -87,7 +88,7 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         self.state_shardings = state_shardings(config, self.mesh, self.kv_layout)
         self.reset()
         self._specs = (abstract(self.params), abstract(self.state))  # what every lowering takes for them
-        self.programs = ProgramTable()  # every compiled program, by key (programs.py)
+        self.programs = ProgramTable(compiler_options(*self._specs))  # every compiled program, by key (programs.py)
         self._compiled: dict[tuple[str, int], Program] = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
 

@@ -32,7 +32,9 @@ class ProgramTable:
     first; whoever asks while it compiles waits for that compile (one lock for the table, held only
     to look up and to claim a key: the compiles themselves run unlocked, several keys at once)."""
 
-    def __init__(self):
+    def __init__(self, compiler_options: dict[str, str] | None = None):
+        """`compiler_options`: XLA's, for every program of the table (compiler_options.py)."""
+        self.compiler_options = compiler_options or {}
         self._lock = threading.Lock()
         self._done: dict[Key, jax.stages.Compiled] = {}
         self._building: dict[Key, Future] = {}
@@ -98,7 +100,7 @@ class Program:
     def compile(self, *args) -> jax.stages.Compiled:
         """The executable for these arguments (the fixed ones may be abstract): compiled if need be,
         nothing run."""
-        return self.table.get(self.key(args), lambda: self._lower(args).compile())
+        return self.table.get(self.key(args), lambda: self._lower(args).compile(self.table.compiler_options))
 
     def full_args(self, host: tuple) -> tuple:
         """The arguments of a call with these host arguments: the params and state as abstract values."""
