@@ -90,7 +90,7 @@ def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] |
     weight = held(f"{hk.experimental.current_name()}/{name}")
     if weight is None:
         return None
-    kernel = dispatch.active()
+    kernel = dispatch.matmuls()
     if weight.mins is not None:  # int4 (8-bit groups): every part's columns, padded to whole tiles
         n, kind = weight.packed.shape[1] * pack.N_TILE, q4ffi.kind_for(weight.packed, kernel.int4)
         y = q4ffi.matmul_int4(x, *weight[:2], weight.mins, n, kind, kernel.isa, kernel.threads, layer=weight.layer)
