@@ -2,7 +2,8 @@
 the paged layout equal the reference (the static layout's, test_smollm2.py), through XLA's gather and,
 with int8 weights, the CPU kernel reading blocks in place (equal to the static layout's int8 tokens), and
 with float32 weights the same kernel (--kernels auto's attention-only spec) on both layouts; and (slow)
-the same among 16 neighbours of random lengths; two requests with a common 300-token prefix share its blocks (issue 34, step 2)."""
+the same among 16 neighbours of random lengths; two requests with a common 300-token prefix share its
+blocks (issue 34, step 2)."""
 
 from __future__ import annotations
 
