@@ -67,7 +67,9 @@ def test_golden_cases_through_the_paged_kernel_equal_the_static_kernel(smollm2, 
     assert [run(paged, [r])[0] for r in requests] == static
 
 
-@pytest.mark.parametrize("layout", ["static", "paged"])
+# static: slow (~100 s on the loaded machine); the same kernel reads both layouts to the same bits
+# (test_paged_attention.py's kernels-f32 cases run by default)
+@pytest.mark.parametrize("layout", [pytest.param("static", marks=pytest.mark.slow), "paged"])
 def test_golden_cases_through_the_float_attention_kernel_equal_the_reference(smollm2, golden, layout):
     """Float32 weights under --kernels auto: decode attention through the CPU kernel (paged: by block table),
     the products XLA's; the greedy tokens are the reference's."""
