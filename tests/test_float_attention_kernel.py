@@ -42,9 +42,9 @@ def test_float_models_get_an_attention_only_spec_and_xla_keeps_xla():
     assert "decode attention only" in spec.describe()
 
 
-def _lowered(config, kernels, paged: bool) -> tuple[str, str]:
+def _lowered(config, kernels, paged: bool, layers: str = "scan") -> tuple[str, str]:
     """(decode step's, prefill's) lowered program text of `config` under `kernels` (custom calls by name)."""
-    model = build_model(config, kernels)
+    model = build_model(config, kernels, layers)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0))  # shapes suffice to lower
     memory = _paged(config, 2, 8, np.arange(8).reshape(2, 4)) if paged else init_memory(config, 2, 32)
     forward = jax.jit(model.forward, static_argnames=("attend_len", "last_only"))
@@ -71,6 +71,7 @@ def test_the_float_spec_runs_decode_attention_only(paged, dtype):
     assert "hk_decode_attention" not in _lowered(config, None, paged)[0]  # --kernels xla
     for other in (config.replace(attn_sinks=True), config.replace(head_dim=24)):
         assert "hk_decode_attention" not in _lowered(other, spec, paged)[0]
+    assert "hk_decode_attention" in _lowered(config, spec, paged, "loop")[0]  # no stacked weights to hold: allowed
     settings = make_settings([SamplingParams(temperature=0.0)] * 2, CONFIG.vocab_size)
     logits = jnp.zeros((2, CONFIG.vocab_size), jnp.float32)
     sampler = jax.jit(lambda x: sample(x, settings, jnp.zeros(2, jnp.int32), kernels=spec).token)
