@@ -40,6 +40,7 @@ READ_BY_HKSERVE = frozenset(
         "HKSERVE_COMPILE_CACHE_MAX_MB",
         "HKSERVE_KERNEL_THREADS",  # kernels/dispatch.py
         "HKSERVE_KERNEL_ISA",  # kernels/dispatch.py (avx2: force the AVX2 paths)
+        "HKSERVE_KERNEL_CACHE",  # kernels/build.py (tests: one library for every store)
         "HKSERVE_PAGED_ATTENTION",  # model/paged_memory.py: the paged decode's attention path (A/B)
         "HKSERVE_XLA_DEFAULTS",  # cli/xla_flags.py
         "HKSERVE_TRAIN_KILL_AFTER_STEP",  # train/loop.py (tests)

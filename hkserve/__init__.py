@@ -3,7 +3,7 @@
 Layers, lowest first (each imports only those below it; pyproject.toml's import-linter contracts
 check this): kernels <- model <- checkpoint <- engine <- api, multihost <- bench, train <- cli.
 
-- kernels/: C++ CPU kernels (XLA FFI) for int8 weights and their dispatch.
+- kernels/: C++ CPU kernels (XLA FFI) for int8/int4 weights and decode attention, and their dispatch.
 - model/: pure JAX + Haiku models, memories, sampling, sharding rules.
 - checkpoint/: GGUF / HF imports, the model store, tokenizers.
 - engine/: the Engine (compiled prefill and decode), the InferenceRunner (continuous batching), and

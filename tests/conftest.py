@@ -15,6 +15,7 @@ from helpers import hkserve, require_fixtures
 
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.compile_cache import enable_compile_cache
+from hkserve.kernels.build import CACHE_ENV, cache_root
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +32,14 @@ def compile_cache(run_dir) -> Path | None:
     run starts with an empty one; HKSERVE_COMPILE_CACHE set outside (a path, or off) is kept."""
     os.environ.setdefault("HKSERVE_COMPILE_CACHE", str(run_dir / "xla-cache"))
     return enable_compile_cache()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache() -> None:
+    """The C++ kernels' library built once (in the outer store's cache) for every test's store and `hkserve`
+    subprocess (they inherit HKSERVE_KERNEL_CACHE): float models run the decode-attention kernel too, and
+    each fresh HKSERVE_HOME compiled it again (~13 s of CPU). HKSERVE_KERNEL_CACHE set outside is kept."""
+    os.environ.setdefault(CACHE_ENV, str(cache_root()))
 
 
 @pytest.fixture(scope="session")

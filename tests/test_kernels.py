@@ -169,13 +169,13 @@ def test_packing_round_trips_columns_for_the_embedding_lookup():
     np.testing.assert_array_equal(pack.unpack_rows(pack.pack(jnp.asarray(w)), rows, 70), w.T[np.asarray(rows)])
 
 
-def test_auto_takes_the_kernels_only_for_int8_kv_models_on_one_cpu_device():
+def test_auto_takes_the_product_kernels_only_for_int8_kv_models_on_one_cpu_device():
     assert dispatch.resolve("auto", "int8") == KernelSpec("w8a16", ffi.cpu_isa())
     assert dispatch.resolve("w8a8", "int8") == KernelSpec(
         "w8a8", ffi.cpu_isa(), 0, "w4a8"
     )  # int4 weights: int8 activations too
     assert dispatch.resolve("xla", "int8") is None
-    assert dispatch.resolve("auto", "float32") is None
+    assert dispatch.resolve("auto", "float32").attention_only  # decode attention only (test_float_attention_kernel)
     assert dispatch.resolve("auto", "int8", memory="vq") is None
     assert dispatch.resolve("auto", "int8", devices=2) is None  # sharded meshes keep XLA's dots
     with pytest.raises(ValueError, match="--kernels"):

@@ -125,7 +125,7 @@ def _paged(config, batch: int, bs: int, tables: np.ndarray):
 @pytest.mark.parametrize(
     ("name", "kv"), [("gqa", "float32"), ("sliding-capped", "float32"), ("sliding-capped", "bfloat16")]
 )
-@pytest.mark.parametrize("path", ["xla", "kernels"])
+@pytest.mark.parametrize("path", ["xla", "kernels", "kernels-f32"])
 def test_model_on_a_paged_memory_equals_the_static_memory(name, path, kv):
     """Same logits, bit for bit, through prefill (a scatter by block table) and decode steps (a gather,
     or the kernel through the table): block size 5 (not dividing the window), shuffled blocks; a bf16
@@ -135,6 +135,7 @@ def test_model_on_a_paged_memory_equals_the_static_memory(name, path, kv):
     kernels = None
     if path == "kernels":
         config, f32 = convert_params(f32, config, "int8")
+    if path in ("kernels", "kernels-f32"):  # kernels-f32: float weights, the attention-only spec
         kernels = dispatch.resolve("auto", config.dtype)
         assert kernels is not None
     static = _steps(config, f32, kernels, init_memory(config, 2, 32))

@@ -30,14 +30,15 @@ F32 = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRN
 
 
 def make_runner(path: str, layout: str, slots: int = 4, kv: str = "auto", **engine_args) -> InferenceRunner:
-    """path "xla" (float32 weights), "xla-int8" (int8 weights, XLA's dots and attention) or "kernels" (int8
-    weights on the CPU kernels); kv: the memory's dtype (ModelConfig.kv_dtype, --kv-dtype)."""
+    """path "xla" (float32 weights), "xla-int8" (int8 weights, XLA's dots and attention), "kernels" (int8
+    weights on the CPU kernels) or "kernels-f32" (float32 weights, XLA's dots, the kernel's decode attention);
+    kv: the memory's dtype (ModelConfig.kv_dtype, --kv-dtype)."""
     config, params, kernels = CONFIG.replace(kv_dtype=kv), F32, None
     if path in ("kernels", "xla-int8"):  # int8 weights: the CPU kernels, decode attention in place (paged: by table)
         config, params = convert_params(F32, config, "int8")
-    if path == "kernels":
+    if path in ("kernels", "kernels-f32"):
         kernels = dispatch.resolve("auto", config.dtype)
-        assert kernels is not None
+        assert kernels is not None and kernels.attention_only == (path == "kernels-f32")
     model = build_model(config, kernels)
     args = {"block_size": 16, **engine_args} if layout == "paged" else engine_args
     engine = Engine(
@@ -79,7 +80,7 @@ TARGETS = [
 ]
 
 
-@pytest.mark.parametrize("path", ["xla", "kernels"])
+@pytest.mark.parametrize("path", ["xla", "kernels", "kernels-f32"])
 def test_paged_outputs_equal_static_alone_and_among_16_neighbours(path):
     static, paged = make_runner(path, "static"), make_runner(path, "paged")
     mixed = neighbours(16, seed=3)
@@ -102,6 +103,14 @@ def test_bf16_kv_greedy_equal_on_the_kernel_and_xla_paths():
     kernel, xla = make_runner("kernels", "paged", kv="bfloat16"), make_runner("xla-int8", "paged", kv="bfloat16")
     assert kernel.engine.state.memory.k.dtype == jnp.bfloat16 == xla.engine.state.memory.v.dtype
     assert run(kernel, greedy) == run(xla, greedy)
+
+
+def test_float_weights_greedy_replies_equal_on_the_attention_kernel_and_xla():
+    """Float32 weights under --kernels auto (the kernel's decode attention, paged by table) and --kernels xla
+    (XLA's gather): their logits differ in the last bits (test_float_attention_kernel.py), greedy replies not."""
+    greedy = [TARGETS[0], Request(list(range(3, 70)), 30, SamplingParams(temperature=0.0))]
+    greedy += [r for r in neighbours(8, seed=5) if r.sampling.temperature == 0.0]
+    assert run(make_runner("kernels-f32", "paged"), greedy) == run(make_runner("xla", "paged"), greedy)
 
 
 def test_a_bf16_pool_of_the_same_mib_holds_twice_the_blocks():

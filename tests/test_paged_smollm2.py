@@ -1,8 +1,9 @@
 """The paged KV layout on the real default model (issue 34, step 1): the golden cases' greedy tokens on
 the paged layout equal the reference (the static layout's, test_smollm2.py), through XLA's gather and,
-with int8 weights, the CPU kernel reading blocks in place (equal to the static layout's int8 tokens);
-and (slow) the same among 16 neighbours of random lengths; two requests with a common 300-token prefix
-share its blocks (issue 34, step 2)."""
+with int8 weights, the CPU kernel reading blocks in place (equal to the static layout's int8 tokens), and
+with float32 weights the same kernel (--kernels auto's attention-only spec) on both layouts; and (slow)
+the same among 16 neighbours of random lengths; two requests with a common 300-token prefix share its
+blocks (issue 34, step 2)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,20 @@ def test_golden_cases_through_the_paged_kernel_equal_the_static_kernel(smollm2, 
     assert [run(paged, [r])[0] for r in requests] == static
 
 
+# static: slow (~100 s on the loaded machine); the same kernel reads both layouts to the same bits
+# (test_paged_attention.py's kernels-f32 cases run by default)
+@pytest.mark.parametrize("layout", [pytest.param("static", marks=pytest.mark.slow), "paged"])
+def test_golden_cases_through_the_float_attention_kernel_equal_the_reference(smollm2, golden, layout):
+    """Float32 weights under --kernels auto: decode attention through the CPU kernel (paged: by block table),
+    the products XLA's; the greedy tokens are the reference's."""
+    _, info, tokenizer, params = smollm2
+    kernels = dispatch.resolve("auto", info.config.dtype)
+    assert kernels is not None and kernels.attention_only
+    runner = make_runner(info.config, params, layout, kernels)
+    for request, case in zip(golden_requests(golden, tokenizer.stop_ids), golden["cases"], strict=True):
+        assert run(runner, [request])[0] == case["greedy_ids"], case["name"]
+
+
 def test_two_requests_with_a_common_300_token_prefix_share_its_blocks(smollm2):
     """The second request, admitted while the first runs, names the first's 9 full blocks of 32 (its
     cached_tokens 300) and both reply as each alone without the cache (the same engine's uncached path,
@@ -103,12 +118,14 @@ def neighbours(n: int) -> list[Request]:
 
 
 @pytest.mark.slow  # ~6 min for both paths on the loaded 2-core machine; the golden cases alone above run by default
-@pytest.mark.parametrize("path", ["xla", "kernels"])
+@pytest.mark.parametrize("path", ["xla", "kernels", "kernels-f32"])
 def test_golden_cases_among_16_neighbours_equal_static_on_the_paged_layout(smollm2, golden, int8_smollm2, path):
     _, info, tokenizer, params = smollm2
     config, kernels = info.config, None
     if path == "kernels":
         config, params, kernels = int8_smollm2
+    if path == "kernels-f32":  # float32 weights, the attention kernel
+        kernels = dispatch.resolve("auto", config.dtype)
     targets = golden_requests(golden, tokenizer.stop_ids)
     mixed = neighbours(16)
     for i, target in enumerate(targets):

@@ -76,8 +76,8 @@ def bench_kernels(store, args, prompts: np.ndarray, slot_counts: list[int]) -> d
         measured = set()
         for requested in args.kernels.split(","):
             spec = resolve(requested, config.dtype, config.memory)
-            if spec in measured:  # e.g. f32/auto: the kernels do not apply, it is f32/xla again
-                _log(f"{weights}/{requested}: the kernels do not apply to {config.dtype} weights: measured once")
+            if spec in measured:  # e.g. int8 auto and w8a16, or f32 auto and w8a8 (attention only): one spec
+                _log(f"{weights}/{requested}: the same kernels as a side already measured: measured once")
                 continue
             measured.add(spec)
             label = f"{weights}/{requested if spec is not None else 'xla'}"

@@ -35,7 +35,15 @@ HEADERS = (
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 
 
+CACHE_ENV = (
+    "HKSERVE_KERNEL_CACHE"  # the library cache's folder, default $HKSERVE_HOME/kernels: one several stores share
+)
+
+
 def cache_root() -> Path:
+    shared = os.environ.get(CACHE_ENV)
+    if shared:
+        return Path(shared).expanduser().absolute()
     return Path(os.environ.get("HKSERVE_HOME", "~/.cache/hkserve")).expanduser().absolute() / "kernels"
 
 

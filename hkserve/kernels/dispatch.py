@@ -15,6 +15,11 @@ hk_w4a16 +0.08%); on the 103-token Genesis excerpt it swings (-1.60% at window 5
 stays selectable (kernels/README.md has the tables). One kernel per model: a row's bits do not depend
 on the batch.
 
+Float32/bfloat16 weights get a spec too, with no matrix-product kind (`kind` None, `attention_only`):
+their products stay XLA's dots, and only a decode step's attention runs the C++ kernel, which reads
+each row's KV memory (static, or paged by its block table) in place up to that row's own length
+instead of XLA's copy of every row's window up to the longest row's (issue 34).
+
 The decoder reads the active spec while it is traced (`using(spec)`), so one model function serves
 both paths and the choice is made once, where the model is built.
 """
@@ -36,21 +41,35 @@ CHOICES = ("auto", "w8a32", "w8a16", "w8a8", "w4a16", "w4a8", "xla")
 
 
 class KernelSpec(NamedTuple):
-    kind: str  # int8 weights x activations: "w8a16" int16 per 128 values | "w8a8" int8 per 32 | "w8a32" float32
+    kind: str | None  # int8 weights x activations: "w8a16" int16 per 128 values | "w8a8" int8 per 32 | "w8a32"
+    # float32 | None: float weights, whose products stay XLA's (decode attention only)
     isa: int  # 2 AVX-512 VNNI | 1 AVX2
     threads: int = 0  # 0: XLA's intra-op pool, capped while other processes hold cores (contention.py);
     # HKSERVE_KERNEL_THREADS=N fixes N (1: the calling thread only)
     int4: str = "w4a8"  # int4 weights x activations: "w4a8" int8 per 32 values | "w4a16" int16 per 128
 
+    @property
+    def attention_only(self) -> bool:
+        """A float model's spec: decode attention in place, nothing else (products, sampler) on the kernels."""
+        return self.kind is None
+
     def describe(self) -> str:
-        return f"{self.kind} (int4: {self.int4}) on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
+        what = "decode attention only (float weights)" if self.attention_only else f"{self.kind} (int4: {self.int4})"
+        return f"{what} on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
 
 
 _ACTIVE: contextvars.ContextVar[KernelSpec | None] = contextvars.ContextVar("hkserve_kernels", default=None)
 
 
 def active() -> KernelSpec | None:
+    """The spec being traced: decode attention reads the KV memory in place under any spec."""
     return _ACTIVE.get()
+
+
+def matmuls() -> KernelSpec | None:
+    """The spec being traced where it runs the quantized products (packed int8/int4 weights), else None."""
+    spec = _ACTIVE.get()
+    return None if spec is None or spec.attention_only else spec
 
 
 @contextlib.contextmanager
@@ -68,12 +87,12 @@ def add_kernels_argument(p) -> None:
         "--kernels",
         default="auto",
         choices=list(CHOICES),
-        help="int8 matrix products: auto = the C++ CPU kernels where they apply (int8 weights, CPU, 1x1 mesh) "
-        "with activations quantized to int16 per 128 values (w8a16; float32's perplexity to 4 digits), and "
-        "decode attention reading the KV memory in place; w8a32 = float32 activations; w8a8 = int8 activations "
-        "per 32 values (llama.cpp's Q8_0); xla = XLA's dots. int4 weights run w4a8 (int8 activations per 32) "
-        "except with w8a32, w8a16 or w4a16 (int16 activations per 128); w4a16/w4a8 name the int4 kernel and "
-        "keep w8a16",
+        help="auto = the C++ CPU kernels where they apply (CPU, 1x1 mesh): int8 matrix products with "
+        "activations quantized to int16 per 128 values (w8a16; float32's perplexity to 4 digits), and decode "
+        "attention reading the KV memory in place (float weights too: their products stay XLA's); "
+        "w8a32 = float32 activations; w8a8 = int8 activations per 32 values (llama.cpp's Q8_0); xla = XLA's "
+        "dots. int4 weights run w4a8 (int8 activations per 32) except with w8a32, w8a16 or w4a16 (int16 "
+        "activations per 128); w4a16/w4a8 name the int4 kernel and keep w8a16",
     )
 
 
@@ -92,25 +111,27 @@ def machine_isa() -> int:
 
 
 def resolve(requested: str, dtype: str, memory: str = "kv", devices: int = 1) -> KernelSpec | None:
-    """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for int8 KV-memory
-    weights on a single CPU device when this CPU runs an ISA path and the library builds (else they log
-    why not). int4 models take them too: the spec's int4 kernel for their int4 linear weights, its kind
-    for their int8 embeddings (and tied head)."""
+    """The kernels for a model, or None for XLA. "auto" (w8a16) and the named kinds take them for KV-memory
+    models on a single CPU device when this CPU runs an ISA path and the library builds (else they log
+    why not). int8 weights run their products on the spec's kind; int4 models the spec's int4 kernel for
+    their int4 linear weights, its kind for their int8 embeddings (and tied head); float32/bfloat16 ones
+    get an attention-only spec (kind None): XLA's dots, the kernel's decode attention."""
     if requested not in CHOICES:
         raise ValueError(f"--kernels must be one of {CHOICES}, got {requested!r}")
-    if requested == "xla" or dtype not in ("int8", "int4") or memory != "kv":
+    if requested == "xla" or memory != "kv":
         return None
     if jax.default_backend() != "cpu":
-        return None  # GPU/TPU keep XLA's dots
+        return None  # GPU/TPU keep XLA's dots (and the paged Pallas kernel or XLA's attention)
     if devices != 1:
-        log.warning("kernels: a %d-device mesh runs XLA's dots (the kernels run on a 1x1 mesh)", devices)
+        log.warning("kernels: a %d-device mesh runs XLA's dots and attention (the kernels run on a 1x1 mesh)", devices)
         return None
     isa = machine_isa()
     if isa == 0:
-        log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA's dots")
+        log.warning("kernels: this CPU has neither AVX-512 VNNI nor AVX2 (or no library): using XLA")
         return None
-    kind = "w8a16" if requested in ("auto", *INT4_KINDS) else requested
-    int4 = "w4a16" if requested in ("w8a32", "w8a16", "w4a16") else "w4a8"
+    quantized = dtype in ("int8", "int4")
+    kind = ("w8a16" if requested in ("auto", *INT4_KINDS) else requested) if quantized else None
+    int4 = "w4a16" if quantized and requested in ("w8a32", "w8a16", "w4a16") else "w4a8"  # float: one spec
     spec = KernelSpec(kind, isa, int(os.environ.get("HKSERVE_KERNEL_THREADS", "0")), int4)
     if spec.threads == 0:  # the pool's threads, fewer while other processes hold cores
         contention.watch(ffi.set_thread_cap)

@@ -15,7 +15,8 @@ from hkserve.model.vq_model import build_vq_model
 
 def build_model(config: ModelConfig, kernels: KernelSpec | None = None, layers: str | None = None) -> Model:
     """The KV decoder (transformer.py) or, for memory="vq", Transformer-VQ's (vq_model.py). `kernels`
-    (kernels/dispatch.py `resolve`) runs a KV decoder's int8 products through the CPU kernels; `layers`
+    (kernels/dispatch.py `resolve`) runs a KV decoder's decode attention and, for quantized weights, its
+    int8/int4 products through the CPU kernels; `layers`
     "scan" or "loop" (layer_loop.py; None: the backend's default) how its blocks run."""
     if config.memory == "vq":
         if kernels is not None:

@@ -35,7 +35,7 @@ class HeldWeight(NamedTuple):
     def matmul(self, x: jax.Array, n: int) -> jax.Array:
         """x [..., K] · this layer's weight → [..., n] through the active CPU kernel of its form (int8 per
         channel: n is its scale's length)."""
-        kernel = dispatch.active()
+        kernel = dispatch.matmuls()
         if self.mins is not None:  # int4 or 8-bit groups
             kind = q4ffi.kind_for(self.packed, kernel.int4)
             return q4ffi.matmul_int4(x, *self[:2], self.mins, n, kind, kernel.isa, kernel.threads, layer=self.layer)

@@ -41,7 +41,7 @@ def quantized_weight(name: str, shape, dtype, scale_shape, fan_in: int):
     are widened inside the jitted dot, which XLA fuses: the step reads int8 bytes, never a float copy.
     With CPU kernels active (kernels/dispatch.py) a 2-D int8 weight is read in its packed uint8
     layout, which the model's `prepare` made at load."""
-    if dtype == jnp.int8 and len(shape) == 2 and dispatch.active() is not None:
+    if dtype == jnp.int8 and len(shape) == 2 and dispatch.matmuls() is not None:
         w = hk.get_parameter(name, pack.packed_shape(tuple(shape)), jnp.uint8, init=jnp.zeros)
     else:
         w = hk.get_parameter(name, shape, dtype, init=_init(fan_in) if dtype != jnp.int8 else jnp.zeros)
@@ -78,7 +78,7 @@ def qdot(x: jax.Array, w: jax.Array, scale: jax.Array | None, spec: str | None =
     """x·w accumulated in float32; int8 weights widen in the dot and their scale applies after it.
     A packed (uint8) weight goes to the active CPU kernel, which applies the scale itself."""
     if w.dtype == jnp.uint8:
-        kernel = dispatch.active()
+        kernel = dispatch.matmuls()
         return ffi.matmul(x, w, scale, kernel.kind, kernel.isa, kernel.threads)
     if scale is None:
         x = x.astype(w.dtype)
@@ -130,7 +130,7 @@ def _int8_group_linear(x: jax.Array, out_dim: int, signed: bool) -> jax.Array:
     """x · an Int8Group [K, out_dim] (K padded to whole groups; `signed`: an Int8Sym, int8 q and a float16
     scale, no min): hk_w8ga16 (hk_w8sa16) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
-    kernel = dispatch.active()
+    kernel = dispatch.matmuls()
     names, dtype = ("scale",) if signed else ("scale", "min"), jnp.float16 if signed else F32
     if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack8, pack8_sym)
         wshape, sshape = pack4.packed_shapes8((groups * GROUP, out_dim))
@@ -148,7 +148,7 @@ def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
     """x · an Int4Weight [K, out_dim] (K padded to whole groups): the spec's int4 kernel (hk_w4a16 or
     hk_w4a8) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
-    kernel = dispatch.active()
+    kernel = dispatch.matmuls()
     if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.py)
         wshape, sshape = pack4.packed_shapes((groups * GROUP // 2, out_dim))
         w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
@@ -171,7 +171,7 @@ class Embed(hk.Module):
 
     def _table(self):
         """[V, D] embeddings and, for int8, a scale per token row [V] (= per output channel when tied)."""
-        if self.dtype == jnp.int8 and dispatch.active() is not None:  # packed as the [D, V] output head
+        if self.dtype == jnp.int8 and dispatch.matmuls() is not None:  # packed as the [D, V] output head
             table = hk.get_parameter("embeddings", pack.packed_shape(self.shape[::-1]), jnp.uint8, init=jnp.zeros)
             return table, hk.get_parameter("scale", self.shape[:1], F32, init=jnp.ones)
         if self.dtype == jnp.int8:

@@ -272,14 +272,15 @@ def sample(
 ) -> SampleOutput:
     """logits: [B, V] float32; positions: [B] position the sampled token will take (keys the RNG);
     bitmask: [B, ceil(V/32)] int32 allowed tokens (a grammar's), applied before everything else;
-    kernels: the CPU kernels' spec (kernels/dispatch.py), whose logit_stats then reads the rows.
+    kernels: the CPU kernels' spec (kernels/dispatch.py), whose logit_stats then reads the rows (a quantized
+    model's; a float model's attention-only spec leaves sampling as XLA's, as it was).
 
     Reported logprobs are those of the model (log_softmax of the raw logits); the token is drawn
     after the mask, bias and penalties."""
     raw = logits.astype(jnp.float32)
     # log_softmax's terms, read only where a logprob is reported (the chosen and the top tokens), so no
     # [B, V] array of logprobs is written: (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
-    if kernels is not None and bitmask is None:
+    if kernels is not None and not kernels.attention_only and bitmask is None:
         # One multi-threaded kernel reads each row for these terms and the greedy token of the biased
         # logits; the biased (and penalized) [B, V] array is then made only inside the branches that
         # need it (penalties, sampling). At 16 slots of SmolLM2 XLA's five passes over [B, V], each on one

@@ -61,7 +61,8 @@ def _decoder(
     # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
     # given its blocks back while its step still counts them).
     seen = jnp.where(lengths > 0, past_len, 0) if paged else past_len  # [b]
-    # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc);
+    # A decode step with the CPU kernels (any spec: a float model's too) reads each layer's memory in
+    # place (kernels/attention.cc), each row up to its own length;
     # that kernel has no attention sinks, so gpt-oss attends through XLA (attention.py) there too.
     in_place = (
         dispatch.active() is not None
@@ -163,22 +164,20 @@ def _transform(config: ModelConfig, kernels: KernelSpec | None, layers: str = "s
 def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layers: str | None = None) -> Model:
     """The KV-memory decoder of `config` (Llama-family, MoE, grok-1, Qwen, Gemma and Phi-3 options).
 
-    With `kernels` (CPU, int8 weights) its forward runs the int8 matrix products through the C++
-    kernels and takes params that `prepare` packed once from the stored ones; `init` stays plain.
+    With `kernels` (CPU) a decode step's attention reads the KV memory in place (kernels/attention.cc);
+    a quantized model's spec also runs its int8/int4 products through the C++ kernels, on params that
+    `prepare` packed once from the stored ones; `init` stays plain. A float model's (attention-only)
+    spec changes nothing else: its params and products stay XLA's.
     `layers` "loop" (the default on GPUs, layer_loop.py) runs the blocks as a Python loop over the
     per-layer weights that `prepare` unstacks once; forward takes stacked params too (slicing them)."""
     layers = layer_loop.default_mode() if layers is None else layers
     if layers not in layer_loop.MODES:
         raise ValueError(f"layers must be one of {', '.join(layer_loop.MODES)}, got {layers!r}")
-    if layers == "loop" and kernels is not None:
+    quantized = kernels is not None and not kernels.attention_only  # packed products, held out of the scan
+    if layers == "loop" and quantized:
         raise ValueError("the CPU kernels read the stacked layer weights: use layers='scan' with them")
     plain = _transform(config, None)
-    if kernels is not None:
-        transformed = _transform(config, kernels)
-    elif layers == "loop":
-        transformed = _transform(config, None, "loop")
-    else:
-        transformed = plain
+    transformed = plain if kernels is None and layers == "scan" else _transform(config, kernels, layers)
 
     def init_args():
         return jnp.zeros((1, 1), jnp.int32), init_memory(config, 1, 1), jnp.ones((1,), jnp.int32), None, 1, False
@@ -204,7 +203,7 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layer
         attend_len = memory.max_len if attend_len is None else attend_len
         if layers == "loop" and not layer_loop.is_unstacked(params):
             params = layer_loop.unstack(params, config.n_layers)
-        if kernels is None:
+        if not quantized:
             return transformed.apply(params, tokens, memory, lengths, slots, attend_len, last_only)
         params, held = layer_weights.split(params)  # the kernels read these in place (layer_weights.py)
         with layer_weights.holding(held):
@@ -212,9 +211,9 @@ def build_kv_model(config: ModelConfig, kernels: KernelSpec | None = None, layer
 
     if layers == "loop":
         unstack = functools.partial(layer_loop.unstack, n_layers=config.n_layers)
-        return Model(config=config, init=init, forward=forward, prepare=unstack)
-    if kernels is None:
-        return Model(config=config, init=init, forward=forward)
+        return Model(config=config, init=init, forward=forward, prepare=unstack, kernels=kernels)
+    if not quantized:
+        return Model(config=config, init=init, forward=forward, kernels=kernels)
     served = jax.eval_shape(lambda: transformed.init(jax.random.PRNGKey(0), *init_args()))
     prepare = functools.partial(pack_params, served=served)
     return Model(config=config, init=init, forward=forward, prepare=prepare, kernels=kernels)
