@@ -221,3 +221,23 @@ def test_kv_options_an_engine_cannot_honour_are_refused():
         Engine(model, F32, EngineOptions(slots=2, max_len=160, kv_layout="paged", block_size=16, kv_cache_mb=0.01))
     with pytest.raises(ValueError, match="kv layout must be one of"):
         Engine(model, F32, EngineOptions(slots=2, max_len=160, kv_layout="pages"))
+
+
+def test_the_device_table_is_sent_a_snapshot_never_the_pools_own_array(monkeypatch):
+    """JAX on the CPU may take a suitably aligned numpy argument without copying it and read it when the
+    program runs, after the call returned; the pool edits its table for the next request meanwhile. Once
+    a decode step read a half-edited table ("a row's past lies in a block outside the pool", about one
+    run in four of the 16-neighbour test above). Every table sent must be a copy."""
+    runner = make_runner("kernels", "paged")
+    engine, sent = runner.engine, []
+    compiled = engine._compiled_fn
+
+    def spy(kind: str, window: int):
+        fn = compiled(kind, window)
+        if kind != "table":
+            return fn
+        return lambda state, table: (sent.append(table), fn(state, table))[1]
+
+    monkeypatch.setattr(engine, "_compiled_fn", spy)
+    assert run(runner, TARGETS) and sent
+    assert not any(np.shares_memory(table, engine.kv_pool.table) for table in sent)

@@ -53,7 +53,9 @@ class PagedSlots:
     def sync_table(self) -> None:
         """The device's block table made the host's, where it changed."""
         if self.kv_pool is not None and self.kv_pool.dirty:
-            self.state = self._compiled_fn("table", 0)(self.state, self.kv_pool.table)
+            # A copy: on the CPU the call may read the host array in place while it runs asynchronously,
+            # and the pool edits its table for the next request meanwhile.
+            self.state = self._compiled_fn("table", 0)(self.state, self.kv_pool.table.copy())
             self.kv_pool.dirty = False
 
     def _assign(self, slot: int, tokens: int, reuse: Reuse | None = None) -> np.ndarray | None:
