@@ -137,6 +137,33 @@ def test_an_unknown_compile_mode_is_refused():
         Compiles(Engine(MODEL, PARAMS, EngineOptions(slots=1, max_len=64)), "sometimes")
 
 
+def test_stop_returns_only_once_the_compile_under_way_has_finished():
+    """serve's shutdown calls stop() and returns: the interpreter must not finalize beneath a daemon
+    thread still inside XLA's compiler (that process died by SIGABRT). The fake compile goes on only
+    after stop() was called and then waits for the caller (2 s at most): a stop() that does not wait
+    lets the caller record "stopped" first."""
+    background = Compiles(Engine(MODEL, PARAMS, EngineOptions(slots=1, max_len=64)), "background")
+    started, caller_went_on, order = threading.Event(), threading.Event(), []
+
+    class SlowCall:
+        context = 1
+
+        def compile(self):
+            started.set()
+            background._stop.wait()
+            caller_went_on.wait(2)
+            order.append("compiled")
+
+    background._pending = [SlowCall()]
+    background.start()
+    started.wait()
+    background.stop()
+    order.append("stopped")
+    caller_went_on.set()
+    background._thread.join()
+    assert order == ["compiled", "stopped"]
+
+
 # -- every kind of request after the background compiles -------------------------------------------
 GRAMMAR_CONFIG = tiny_config(vocab_size=300)  # the byte tokenizer's grammar needs its 256 bytes
 SERVED = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32), structured=True, prefix_cache="on")

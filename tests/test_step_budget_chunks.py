@@ -59,7 +59,7 @@ def test_the_chunk_sizes_a_runner_can_pick_are_those_warmup_compiles():
 
 
 def test_plan_chunks_at_a_size_pads_later_chunks_to_it_and_a_reused_suffix_tightly():
-    window = lambda s: 1000 + s  # noqa: E731: marks which chunks attend to the past
+    window = lambda s: 1000 + s  # marks which chunks attend to the past
     assert plan_chunks(100, 0, BUCKETS, window, size=32) == [
         Chunk(0, 32, 32, 0),
         Chunk(32, 64, 32, 1032),

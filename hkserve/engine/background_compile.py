@@ -104,8 +104,12 @@ class Compiles:
                 self.finished.set()
 
     def stop(self) -> None:
-        """No more background compiles (the one under way finishes)."""
+        """No more background compiles; returns once the one under way has finished. A serve that
+        returned while the daemon thread was still inside XLA's compiler died by SIGABRT as the
+        interpreter shut down beneath it (test_serve's SIGTERM test, once in a fresh-clone run)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def status(self) -> dict:
         """{"mode", "compiled": programs in the engine's table, "pending": left for the background thread}."""
