@@ -82,8 +82,14 @@ def test_kernel_equals_float64_reference(shape, isa):
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("isa", ISAS)
 def test_gguf_weights_run_as_imported(isa, qtype):
+    check_gguf_import(grouped8, qtype, run, check, isa)
+
+
+def check_gguf_import(import_tensor, qtype, run, check, isa: int) -> None:
+    """A [96, 512] GGUF tensor of `qtype` as `import_tensor` maps it, through the kernel `run` at 17 rows,
+    against `check`'s float64 reference of that import."""
     shape = (96, 512)  # [out, in]
-    w = grouped8(source(qtype, shape, seed=5), qtype, shape)
+    w = import_tensor(source(qtype, shape, seed=5), qtype, shape)
     x = np.random.default_rng(6).standard_normal((17, 512)).astype(np.float32)
     check(run(x, w, isa), x, w)
 

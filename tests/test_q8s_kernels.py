@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_config
-from test_int4 import source
 from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2
-from test_q8g_kernels import check_batch_sizes, check_dense, mixed_int4
+from test_q8g_kernels import check_batch_sizes, check_dense, check_gguf_import, mixed_int4
 
 from hkserve.checkpoint.gguf_quant import SYM8, grouped8_sym
 from hkserve.kernels import dispatch, pack4, q4ffi
@@ -67,10 +66,7 @@ def test_kernel_equals_float64_reference(shape, isa):
 @pytest.mark.parametrize("qtype", list(SYM8), ids=lambda q: q.name)
 @pytest.mark.parametrize("isa", ISAS)
 def test_gguf_weights_run_as_imported(isa, qtype):
-    shape = (96, 512)  # [out, in]
-    w = grouped8_sym(source(qtype, shape, seed=5), qtype, shape)
-    x = np.random.default_rng(6).standard_normal((17, 512)).astype(np.float32)
-    check(run(x, w, isa), x, w)
+    check_gguf_import(grouped8_sym, qtype, run, check, isa)
 
 
 @pytest.mark.parametrize("shape", [(100, 70), (33, 129)], ids=lambda s: f"{s[0]}x{s[1]}")
