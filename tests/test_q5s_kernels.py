@@ -1,0 +1,99 @@
+"""hk_w5sa16 (kernels/q5a16.h): signed 5-bit group weights (model/int4.Int5Sym, what a GGUF's all-Q5_0
+stacks import into, checkpoint/gguf_int4.py) times int16 activation blocks, on both ISA paths, against
+the float64 product of the kernel's block-quantized activations and the float64 dequantized weight,
+within 1e-5 of the sum of the terms' magnitudes; odd sizes, B in {1, 3, 16, 17}; GGUF Q5_0 weights as
+imported; a layer stack read at its index; a row's bits alone and among others."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from test_kernels import ISAS, SMOLLM2
+from test_q8g_kernels import check_dense, check_gguf_import
+
+from hkserve.checkpoint.gguf_quant import grouped5
+from hkserve.kernels import pack4, q4ffi
+from hkserve.model.int4 import Int5Sym, pack_high, pack_nibbles
+
+ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
+
+
+def weight(k: int, n: int, seed: int = 0) -> Int5Sym:
+    """Random 5-bit groups over the whole range (0 and 31 included) and float16 scales of both signs and
+    several binades: K padded to whole groups with zero weights (q = 16)."""
+    rng = np.random.default_rng(seed + 3 * k + n)
+    kp = -(-k // 32) * 32
+    q = rng.integers(0, 32, (kp, n)).astype(np.uint8)
+    q[k:] = 16
+    q[0, 0], q[1, 0] = 0, 31
+    scale = (rng.uniform(1e-4, 4e-3, (kp // 32, n)) * rng.choice([-1, 1], (kp // 32, n))).astype(np.float16)
+    return Int5Sym(pack_nibbles(q & 15), pack_high(q), scale)
+
+
+def dense64(w: Int5Sym) -> np.ndarray:
+    from hkserve.model.int4 import unpack_high, unpack_nibbles
+
+    q = unpack_nibbles(w.nibbles).astype(np.int64) + 16 * unpack_high(w.high) - 16
+    return q.astype(np.float64) * np.repeat(np.asarray(w.scale, np.float64), 32, 0)
+
+
+@functools.cache
+def kernel(isa: int, n: int):
+    return jax.jit(lambda x, w, s: q4ffi.matmul_int5_sym(x, w, s, n, isa))
+
+
+def run(x: np.ndarray, w: Int5Sym, isa: int) -> np.ndarray:
+    return np.asarray(kernel(isa, w.scale.shape[-1])(x, *pack4.pack5(*map(jnp.asarray, w))))
+
+
+def check(y: np.ndarray, x: np.ndarray, w: Int5Sym) -> None:
+    check_dense(y, x, dense64(w))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_equals_float64_reference(shape, isa):
+    w = weight(*shape)
+    for m in (1, 3, 16, 17):
+        x = np.random.default_rng(m).standard_normal((m, shape[0])).astype(np.float32)
+        y = run(x, w, isa)
+        assert y.shape == (m, shape[1])
+        check(y, x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gguf_q5_0_weights_run_as_imported(isa):
+    check_gguf_import(grouped5, Q.Q5_0, run, check, isa)
+
+
+def test_a_stacked_weight_is_read_at_its_layer_index():
+    isa = ISAS[0]
+    layers = [weight(100, 70, seed=s) for s in range(3)]
+    stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack5(*map(jnp.asarray, w)) for w in layers))]
+    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
+    call = jax.jit(lambda x, w, s, i: q4ffi.matmul_int5_sym(x, w, s, 70, isa, layer=i))
+    for i, w in enumerate(layers):
+        assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), run(x, w, isa))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_has_the_same_bits_alone_or_among_others(isa):
+    w = weight(576, 192)  # 3 tiles: 16+ rows are split in groups of 8
+    x = np.random.default_rng(1).standard_normal((17, 576)).astype(np.float32)
+    together = run(x, w, isa)
+    for r in (0, 9, 16):
+        assert np.array_equal(run(x[r : r + 1], w, isa)[0], together[r])
+
+
+def test_a_signed_8_bit_layout_is_refused():
+    """The packed weight of Int8Sym (2048 bytes a tile and group) does not fit hk_w5sa16's operands."""
+    packed, scale = pack4.pack5(*map(jnp.asarray, weight(64, 64)))
+    call = jax.ffi.ffi_call(q4ffi.SYM5[0], jax.ShapeDtypeStruct((2, 64), jnp.float32))
+    wrong = jnp.zeros((*packed.shape[:-1], 2048), jnp.uint8)
+    with pytest.raises(Exception, match="hk_w5sa16:"):
+        jax.block_until_ready(call(jnp.ones((2, 64)), wrong, scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))
