@@ -44,7 +44,7 @@ def dense64(w: Int5Sym) -> np.ndarray:
 
 @functools.cache
 def kernel(isa: int, n: int):
-    return jax.jit(lambda x, w, s: q4ffi.matmul_int5_sym(x, w, s, n, isa))
+    return jax.jit(lambda x, w, h, s: q4ffi.matmul_int5_sym(x, w, h, s, n, isa))
 
 
 def run(x: np.ndarray, w: Int5Sym, isa: int) -> np.ndarray:
@@ -76,7 +76,7 @@ def test_a_stacked_weight_is_read_at_its_layer_index():
     layers = [weight(100, 70, seed=s) for s in range(3)]
     stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack5(*map(jnp.asarray, w)) for w in layers))]
     x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
-    call = jax.jit(lambda x, w, s, i: q4ffi.matmul_int5_sym(x, w, s, 70, isa, layer=i))
+    call = jax.jit(lambda x, w, h, s, i: q4ffi.matmul_int5_sym(x, w, h, s, 70, isa, layer=i))
     for i, w in enumerate(layers):
         assert np.array_equal(np.asarray(call(x, *stacked, jnp.int32(i))), run(x, w, isa))
 
@@ -90,10 +90,15 @@ def test_a_row_has_the_same_bits_alone_or_among_others(isa):
         assert np.array_equal(run(x[r : r + 1], w, isa)[0], together[r])
 
 
-def test_a_signed_8_bit_layout_is_refused():
-    """The packed weight of Int8Sym (2048 bytes a tile and group) does not fit hk_w5sa16's operands."""
-    packed, scale = pack4.pack5(*map(jnp.asarray, weight(64, 64)))
+@pytest.mark.parametrize("wrong", ["w", "high"])
+def test_a_layout_of_other_sizes_is_refused(wrong):
+    """Int8Sym's packed weight (2048 bytes a tile and group) as w, or a high plane of another size."""
+    packed, high, scale = pack4.pack5(*map(jnp.asarray, weight(64, 64)))
     call = jax.ffi.ffi_call(q4ffi.SYM5[0], jax.ShapeDtypeStruct((2, 64), jnp.float32))
-    wrong = jnp.zeros((*packed.shape[:-1], 2048), jnp.uint8)
+    if wrong == "w":
+        packed = jnp.zeros((*packed.shape[:-1], 2048), jnp.uint8)
+    else:
+        high = high[..., :128]
     with pytest.raises(Exception, match="hk_w5sa16:"):
-        jax.block_until_ready(call(jnp.ones((2, 64)), wrong, scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))
+        x = jnp.ones((2, 64))
+        jax.block_until_ready(call(x, packed, high, scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))

@@ -2,8 +2,8 @@
 (model/int4.py: nibbles [..., K/2, N], scale and min [..., K/32, N]); jnp, so it runs jitted. `pack8`:
 the same for 8-bit groups (hk_w8ga16, q8a16.h); `pack8_sym`: signed 8-bit groups (int8 q, a float16
 scale, no min; hk_w8sa16), the same byte layout with the scale kept float16; `pack5`: signed 5-bit
-groups (low nibbles, high bits, a float16 scale; hk_w5sa16, q5a16.h), pack4's nibble bytes then the
-high bits, 1280 bytes per tile and group.
+groups (low nibbles, high bits, a float16 scale; hk_w5sa16, q5a16.h): pack4's nibble bytes and a
+plane of the high bits, 256 bytes per tile and group.
 
 Per 64-column tile and group of 32 inputs, 1024 bytes [4 input quads j][4 column quarters][16 columns]
 [4 inputs e]: a byte holds input 4j + e of the group in its low nibble and 16 + 4j + e in its high one.
@@ -88,19 +88,20 @@ def _bytes4(nibbles: jax.Array) -> jax.Array:
     return w.reshape(*lead, -1, groups, 1024)
 
 
-PACKED5 = 1280  # bytes per (tile, group) of pack5: 1024 nibble bytes, 256 high-bit bytes
+HIGH5 = 256  # bytes per (tile, group) of pack5's high-bit plane
 
 
-def packed_shapes5(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(weight, scale) packed shapes of a stored 5-bit group nibble array [..., K_pad/2, N]."""
+def packed_shapes5(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(weight, high, scale) packed shapes of a stored 5-bit group nibble array [..., K_pad/2, N]."""
     w, scale = packed_shapes(shape)
-    return (*w[:-1], PACKED5), scale
+    return w, (*w[:-1], HIGH5), scale
 
 
-def pack5(nibbles: jax.Array, high: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def pack5(nibbles: jax.Array, high: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stored signed 5-bit groups (nibbles [..., K/2, N], high [..., K/8, N]: bit i of byte 4g + b is input
-    32g + 8b + i's; float16 scale [..., K/32, N]) → (w [..., N_pad/64, K/32, 1280] uint8, scale [..., N_pad/64,
-    K/32, 64] float16). Per tile and group: pack4's 1024 nibble bytes, then per input quad j 32 16-bit
+    32g + 8b + i's; float16 scale [..., K/32, N]) → (w [..., N_pad/64, K/32, 1024] uint8, high [..., N_pad/64,
+    K/32, 256] uint8, scale [..., N_pad/64, K/32, 64] float16). Per tile and group: pack4's 1024 nibble
+    bytes, and the high bits, per input quad j 32 16-bit
     words (2 bytes each, low first), word 2l + h holding in bit 4c + k the high bit of column 16c + l at
     input 16 * (k >= 2) + 4j + 2h + k % 2 (q5a16.h)."""
     *lead, eighth, n = high.shape
@@ -113,4 +114,4 @@ def pack5(nibbles: jax.Array, high: jax.Array, scale: jax.Array) -> tuple[jax.Ar
     word = (bits << shift).sum(axis=(-7, -4, -2), dtype=jnp.uint16)  # [..., G, j, h, T, l]: disjoint bits
     word = jnp.transpose(word, (*range(nl), nl + 3, nl, nl + 1, nl + 4, nl + 2))  # [..., T, G, j, l, h]
     hi = jnp.stack([word & 0xFF, word >> 8], axis=-1).astype(jnp.uint8).reshape(*lead, -1, groups, 256)
-    return jnp.concatenate([_bytes4(nibbles), hi], axis=-1), _tiles(scale, lead, groups, pad, jnp.float16)
+    return _bytes4(nibbles), hi, _tiles(scale, lead, groups, pad, jnp.float16)

@@ -72,16 +72,18 @@ def matmul_int8_sym(
 def matmul_int5_sym(
     x: jax.Array,
     packed: jax.Array,
+    high: jax.Array,
     scale: jax.Array,
     n: int,
     isa: int,
     threads: int = 0,
     layer: jax.Array | None = None,
 ) -> jax.Array:
-    """x [..., K] float32 · a packed signed 5-bit group weight (pack4.pack5: uint8 [(L,) N/64, K/32, 1280],
-    float16 scale [(L,) N/64, K/32, 64]) → [..., n] float32 through hk_w5sa16, x quantized per row to
-    int16 in blocks of 128 (as "w4a16"); with `layer`, a layer stack read at that layer in place."""
-    return _call(SYM5[0], x, (packed, scale.astype(jnp.float16)), n, isa, threads, layer)
+    """x [..., K] float32 · a packed signed 5-bit group weight (pack4.pack5: nibbles uint8 [(L,) N/64, K/32,
+    1024], high bits uint8 [(L,) N/64, K/32, 256], float16 scale [(L,) N/64, K/32, 64]) → [..., n] float32
+    through hk_w5sa16, x quantized per row to int16 in blocks of 128 (as "w4a16"); with `layer`, a layer
+    stack read at that layer in place."""
+    return _call(SYM5[0], x, (packed, high, scale.astype(jnp.float16)), n, isa, threads, layer)
 
 
 def _call(target: str, x: jax.Array, weight: tuple, n: int, isa: int, threads: int, layer) -> jax.Array:

@@ -3,10 +3,10 @@
 // the int16 activations of hk_w4a16 (q4a16.h's quantize_a16: per row, blocks of 128, each quad stored
 // x0, x2, x1, x3). Tiles, items and threads are q4.h's / q4matmul.cc's.
 //
-// Packed layout (kernels/pack4.py pack5), per 64-column tile and group, 1280 bytes: first q's low
-// nibbles exactly as pack4 lays out int4 (1024 bytes: 4 input quads j x 4 column quarters c x 16 columns
-// x 4 inputs e, input 4j + e in a byte's low nibble, 16 + 4j + e in its high one), then q's high bits,
-// 64 bytes per quad j: 32 16-bit words, word 2l + h (l: the column inside a quarter, h: the lane's low
+// Packed layout (kernels/pack4.py pack5), per 64-column tile and group: q's low nibbles exactly as pack4
+// lays out int4 (w: 1024 bytes, 4 input quads j x 4 column quarters c x 16 columns x 4 inputs e, input
+// 4j + e in a byte's low nibble, 16 + 4j + e in its high one), and q's high bits (high: 256 bytes,
+// 64 per quad j): 32 16-bit words, word 2l + h (l: the column inside a quarter, h: the lane's low
 // or high word) holding in bit 4c + k the high bit of column 16c + l at the input that A16's unpack k
 // of that word meets: k = 0, 1, 2, 3 → input 4j + 2h, 4j + 2h + 1, 16 + 4j + 2h, 16 + 4j + 2h + 1.
 // So a line's four nibble words `v & 15`, `v >> 8 & 15`, `v >> 4 & 15`, `v >> 12` (A16's) each take
@@ -27,8 +27,7 @@
 
 namespace hk {
 
-constexpr int64_t kQ5Bytes = 1280;  // per (tile, group): 1024 nibble bytes + 256 high-bit bytes
-constexpr int64_t kQ5Nibbles = 1024;
+constexpr int64_t kQ5High = 256;  // high-bit bytes per (tile, group), beside GB nibble bytes
 
 // Each row's exact integer sum of its int16 activations per group [m, kp/32] (the -16's partner).
 inline const int32_t* group_sums16(const Q4Problem& p) {
@@ -94,22 +93,23 @@ __attribute__((target("avx2"))) inline __m256i dot5_256(__m256i s, __m256i v, __
 // Rows r0..r0+R-1 of tile t, AVX-512: per group the integer sums of 64 columns (4 vectors a row), less
 // 16 * the row's group sum, then f += a * (scale * xd) on float sums kept in memory.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_q5_512(const Q4Problem& p, const uint16_t* sc16,
-                                                                         const int32_t* xsum, int64_t t, int64_t r0) {
-  const Q4Tile tl = tile4(p, t, kQ5Bytes);
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_q5_512(const Q4Problem& p, const uint8_t* high,
+                                                                         const uint16_t* sc16, const int32_t* xsum,
+                                                                         int64_t t, int64_t r0) {
+  const Q4Tile tl = tile4(p, t, GB);
   const uint16_t* sc = scales16(p, sc16, t);
   alignas(64) float acc[R][NT] = {};
   for (int64_t g = 0; g < tl.ng; ++g) {
     __m512i a[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
-    const uint8_t* base = tl.w + g * kQ5Bytes;
+    const uint8_t* hg = high + (t * tl.ng + g) * kQ5High;
     for (int j = 0; j < 4; ++j) {
       A16::X512 x[R];
       for (int r = 0; r < R; ++r) x[r] = A16::acts512(p, r0 + r, g, j);
-      const uint8_t* q = base + j * 256;
+      const uint8_t* q = tl.w + g * GB + j * 256;
       prefetch_256(q);
-      __m512i h = _mm512_loadu_si512(base + kQ5Nibbles + 64 * j);
+      __m512i h = _mm512_loadu_si512(hg + 64 * j);
       __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
       __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
       for (int r = 0; r < R; ++r) {
@@ -144,18 +144,19 @@ __attribute__((target("avx2"))) inline __m256i line5_256(__m256i s, const uint8_
 
 // Rows r0..r0+R-1 of tile t, AVX2: each group's lines in order, 8 vectors of integer sums a row.
 template <int R>
-__attribute__((target("avx2,fma,f16c"))) void rows_q5_avx2(const Q4Problem& p, const uint16_t* sc16,
-                                                          const int32_t* xsum, int64_t t, int64_t r0) {
-  const Q4Tile tl = tile4(p, t, kQ5Bytes);
+__attribute__((target("avx2,fma,f16c"))) void rows_q5_avx2(const Q4Problem& p, const uint8_t* high,
+                                                          const uint16_t* sc16, const int32_t* xsum, int64_t t,
+                                                          int64_t r0) {
+  const Q4Tile tl = tile4(p, t, GB);
   const uint16_t* sc = scales16(p, sc16, t);
   alignas(32) float acc[R][NT] = {};
   for (int64_t g = 0; g < tl.ng; ++g) {
     __m256i s[R][8];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 8; ++i) s[r][i] = _mm256_setzero_si256();
-    const uint8_t* base = tl.w + g * kQ5Bytes;
+    const uint8_t* hg = high + (t * tl.ng + g) * kQ5High;
     for (int j = 0; j < 4; ++j) {
-      const uint8_t *q = base + j * 256, *hi = base + kQ5Nibbles + 64 * j;
+      const uint8_t *q = tl.w + g * GB + j * 256, *hi = hg + 64 * j;
       prefetch_256(q);
       A16::X256 x[R];
       for (int r = 0; r < R; ++r) x[r] = A16::acts256(p, r0 + r, g, j);
@@ -185,16 +186,17 @@ __attribute__((target("avx2,fma,f16c"))) void rows_q5_avx2(const Q4Problem& p, c
 }
 
 // Rows [r, end) of tile t, in groups that share each weight load (4, then 2, then 1).
-inline void run_rows_q5(const Q4Problem& p, const uint16_t* sc16, const int32_t* xsum, int64_t isa, int64_t t,
-                        int64_t r, int64_t end) {
+// `high` and `sc16` start at the call's layer, as p.w does.
+inline void run_rows_q5(const Q4Problem& p, const uint8_t* high, const uint16_t* sc16, const int32_t* xsum,
+                        int64_t isa, int64_t t, int64_t r, int64_t end) {
   if (isa == 2) {
-    for (; r + 4 <= end; r += 4) rows_q5_512<4>(p, sc16, xsum, t, r);
-    for (; r + 2 <= end; r += 2) rows_q5_512<2>(p, sc16, xsum, t, r);
-    for (; r < end; ++r) rows_q5_512<1>(p, sc16, xsum, t, r);
+    for (; r + 4 <= end; r += 4) rows_q5_512<4>(p, high, sc16, xsum, t, r);
+    for (; r + 2 <= end; r += 2) rows_q5_512<2>(p, high, sc16, xsum, t, r);
+    for (; r < end; ++r) rows_q5_512<1>(p, high, sc16, xsum, t, r);
   } else {
-    for (; r + 4 <= end; r += 4) rows_q5_avx2<4>(p, sc16, xsum, t, r);
-    for (; r + 2 <= end; r += 2) rows_q5_avx2<2>(p, sc16, xsum, t, r);
-    for (; r < end; ++r) rows_q5_avx2<1>(p, sc16, xsum, t, r);
+    for (; r + 4 <= end; r += 4) rows_q5_avx2<4>(p, high, sc16, xsum, t, r);
+    for (; r + 2 <= end; r += 2) rows_q5_avx2<2>(p, high, sc16, xsum, t, r);
+    for (; r < end; ++r) rows_q5_avx2<1>(p, high, sc16, xsum, t, r);
   }
 }
 

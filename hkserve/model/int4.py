@@ -70,15 +70,10 @@ def is_int8_sym(names: dict) -> bool:
     return _f16_scale(names) and not is_int5_sym(names)
 
 
-PACKED5 = 1280  # bytes per (tile, group) of a packed Int5Sym (kernels/pack4.pack5): its last dim
-
-
 def is_int5_sym(names: dict) -> bool:
-    """Whether a module's params hold signed 5-bit groups: stored {w nibbles, high, scale float16}, or
-    packed {w [..., 1280] uint8, scale float16} (Int8Sym's w is int8 stored, [..., 2048] packed)."""
-    if not _f16_scale(names) or "w" not in names or names["w"].dtype != np.uint8:
-        return False
-    return "high" in names or names["w"].shape[-1] == PACKED5
+    """Whether a module's params hold signed 5-bit groups {w nibbles, high, scale float16}, stored or
+    packed (kernels/pack4.pack5): the only linear params with a `high`."""
+    return "high" in names
 
 
 def _f16_scale(names: dict) -> bool:
