@@ -2,7 +2,8 @@
 stacks import into, checkpoint/gguf_int4.py) times int16 activation blocks, on both ISA paths, against
 the float64 product of the kernel's block-quantized activations and the float64 dequantized weight,
 within 1e-5 of the sum of the terms' magnitudes; odd sizes, B in {1, 3, 16, 17}; GGUF Q5_0 weights as
-imported; a layer stack read at its index; a row's bits alone and among others."""
+imported; a layer stack read at its index; a row's bits alone and among others; a model whose q/k/v and
+gate/up are 5-bit groups against the same exact weights held as signed 8-bit groups (Int8Sym)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from helpers import tiny_config
+from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2
-from test_q8g_kernels import check_dense, check_gguf_import
+from test_q8g_kernels import check_dense, check_gguf_import, mixed_int4
 
 from hkserve.checkpoint.gguf_quant import grouped5
-from hkserve.kernels import pack4, q4ffi
-from hkserve.model.int4 import Int5Sym, pack_high, pack_nibbles
+from hkserve.kernels import dispatch, pack4, q4ffi
+from hkserve.model.build import build_model
+from hkserve.model.int4 import Int5Sym, Int8Sym, pack_high, pack_nibbles
+from hkserve.model.memory import init_memory
 
 ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
 
@@ -102,3 +107,57 @@ def test_a_layout_of_other_sizes_is_refused(wrong):
     with pytest.raises(Exception, match="hk_w5sa16:"):
         x = jnp.ones((2, 64))
         jax.block_until_ready(call(x, packed, high, scale, jnp.int32(0), isa=np.int64(ISAS[0]), threads=0))
+
+
+FIVE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Gemma 3 270M's Q5_0 stacks
+
+
+def same_weights(w: np.ndarray) -> tuple[Int5Sym, Int8Sym]:
+    """Float [..., K, N] → one 5-bit quantization (absmax / 15 per group, q in -16..15) as Int5Sym and as
+    Int8Sym: the same exact weights in both forms."""
+    *lead, k, n = w.shape
+    g = np.asarray(w, np.float32).reshape(*lead, k // 32, 32, n)
+    scale = (np.abs(g).max(-2) / 15).astype(np.float16)
+    safe = np.where(scale == 0, 1, scale).astype(np.float32)[..., None, :]
+    q = np.clip(np.rint(g / safe), -16, 15).astype(np.int8).reshape(w.shape)
+    q5 = (q.astype(np.int16) + 16).astype(np.uint8)
+    return Int5Sym(pack_nibbles(q5 & 15), pack_high(q5), scale), Int8Sym(q, scale)
+
+
+def forms():
+    """(config, params) of one tiny int4 model with FIVE as 5-bit groups, and as signed 8-bit groups."""
+    config, params = mixed_int4(tied=True)  # down_proj 8-bit groups with a min, o_proj int4
+    master = jax.tree_util.tree_map(
+        np.asarray, build_model(tiny_config(dim=96, ffn_dim=160)).init(jax.random.PRNGKey(1))
+    )
+    p5, p8 = dict(params), dict(params)
+    for module in params:
+        if module.rsplit("/", 1)[-1] in FIVE:
+            five, eight = same_weights(master[module]["w"])
+            p5[module] = dict(zip(("w", "high", "scale"), five))
+            p8[module] = dict(zip(("w", "scale"), eight))
+    config = config.replace(int8_linears=tuple(n for n in config.int8_linears if n not in FIVE))
+    return (config.replace(int5_linears=FIVE), p5), (config.replace(int8_sym_linears=FIVE), p8)
+
+
+@pytest.mark.parametrize("path", ["w4a16", "auto", "xla"])
+def test_a_model_on_5_bit_stacks_equals_the_same_weights_as_signed_8_bit_groups(path):
+    """The same exact weights give the same logits, bit for bit, and so the same greedy tokens: through the
+    kernels hk_w5sa16's integer sums (sum q x - 16 sum x) equal hk_w8sa16's (sum (q - 16) x) and the float
+    step is the same (fused q/k/v and gate/up in both); through XLA the dequantized weights are equal."""
+    (c5, p5), (c8, p8) = forms()
+    tokens = np.random.default_rng(0).integers(0, 128, (3, 5)).astype(np.int32)
+    if path == "xla":
+        got, want = logits(c5, p5, tokens), logits(c8, p8, tokens)
+    else:
+        out = []
+        for config, params in ((c5, p5), (c8, p8)):
+            model = build_model(config, dispatch.resolve(path, "int4"))
+            packed = jax.jit(model.prepare)(params)
+            assert ("high" in packed["decoder/layers/attention/qkv_proj"]) == (config is c5)
+            assert ("high" in packed["decoder/layers/mlp/gate_up_proj"]) == (config is c5)
+            memory = init_memory(config, 3, 32)
+            out.append(np.asarray(jax.jit(model.forward)(packed, tokens, memory, np.full(3, 5))[0]))
+        got, want = out
+    assert np.array_equal(got, want)
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
