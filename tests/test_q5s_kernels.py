@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from helpers import tiny_config
 from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2
-from test_q8g_kernels import check_dense, check_gguf_import, mixed_int4
+from test_q8g_kernels import check_batch_sizes, check_dense, check_gguf_import, mixed_int4
 
 from hkserve.checkpoint.gguf_quant import grouped5
 from hkserve.kernels import dispatch, pack4, q4ffi
@@ -63,12 +63,7 @@ def check(y: np.ndarray, x: np.ndarray, w: Int5Sym) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SMOLLM2[:4] + ODD, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_kernel_equals_float64_reference(shape, isa):
-    w = weight(*shape)
-    for m in (1, 3, 16, 17):
-        x = np.random.default_rng(m).standard_normal((m, shape[0])).astype(np.float32)
-        y = run(x, w, isa)
-        assert y.shape == (m, shape[1])
-        check(y, x, w)
+    check_batch_sizes(weight(*shape), shape[0], run, check, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -101,16 +101,18 @@ def pack5(nibbles: jax.Array, high: jax.Array, scale: jax.Array) -> tuple[jax.Ar
     """Stored signed 5-bit groups (nibbles [..., K/2, N], high [..., K/8, N]: bit i of byte 4g + b is input
     32g + 8b + i's; float16 scale [..., K/32, N]) → (w [..., N_pad/64, K/32, 1024] uint8, high [..., N_pad/64,
     K/32, 256] uint8, scale [..., N_pad/64, K/32, 64] float16). Per tile and group: pack4's 1024 nibble
-    bytes, and the high bits, per input quad j 32 16-bit
-    words (2 bytes each, low first), word 2l + h holding in bit 4c + k the high bit of column 16c + l at
-    input 16 * (k >= 2) + 4j + 2h + k % 2 (q5a16.h)."""
+    bytes, and the high bits, per input quad j 32 16-bit words (2 bytes each, low first), word 2l + h
+    holding in bit c + 4 + 8 (k % 2) - 4 (k // 2) the high bit of column 16c + l at input 16 (k // 2) +
+    4j + 2h + k % 2 (q5a16.h)."""
     *lead, eighth, n = high.shape
     nl, groups, pad = len(lead), eighth * 8 // GROUP, -(-n // N_TILE) * N_TILE - n
     bits = (high[..., :, None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., K/8, 8, N]
     bits = jnp.pad(bits.reshape(*lead, groups, 2, 4, 2, 2, n), [(0, 0)] * (nl + 5) + [(0, pad)])
     bits = bits.reshape(*lead, groups, 2, 4, 2, 2, -1, 4, 16).astype(jnp.uint16)  # [..., G, k//2, j, h, k%2, T, c, l]
-    ar = functools.partial(jnp.arange, dtype=jnp.uint16)
-    shift = 4 * ar(4)[:, None] + 2 * ar(2)[:, None, None, None, None, None, None] + ar(2)[:, None, None, None]
+    ar = functools.partial(jnp.arange, dtype=jnp.int32)
+    # bit c + 4 + 8 (k % 2) - 4 (k // 2): unpack k = 0, 1, 2, 3 of line c at c + 4, c + 12, c, c + 8
+    shift = ar(4)[:, None] + 4 + 8 * ar(2)[:, None, None, None] - 4 * ar(2)[:, None, None, None, None, None, None]
+    shift = shift.astype(jnp.uint16)
     word = (bits << shift).sum(axis=(-7, -4, -2), dtype=jnp.uint16)  # [..., G, j, h, T, l]: disjoint bits
     word = jnp.transpose(word, (*range(nl), nl + 3, nl, nl + 1, nl + 4, nl + 2))  # [..., T, G, j, l, h]
     hi = jnp.stack([word & 0xFF, word >> 8], axis=-1).astype(jnp.uint8).reshape(*lead, -1, groups, 256)

@@ -226,24 +226,20 @@ ffi::Error w5sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A8, w4a8, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A16, w4a16, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);
+// The signed forms' operands after x and the packed bytes (hk_w5sa16 has its high bits between).
+#define HK_SYM_TAIL                     \
+  .Arg<ffi::Buffer<ffi::F16>>()         \
+      .Arg<ffi::Buffer<ffi::S32>>()     \
+      .Ret<ffi::Buffer<ffi::F32>>()     \
+      .Attr<int64_t>("isa")             \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8SA16, w8sa16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  HK_SYM_TAIL);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW5SA16, w5sa16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
+                                  .Arg<ffi::Buffer<ffi::U8>>() HK_SYM_TAIL);

@@ -124,8 +124,10 @@ def _unpack_high(plane, n: int):
     nl = len(lead)
     b = plane.reshape(*lead, tiles, groups, 4, 16, 2, 2).astype(jnp.uint16)  # [..., T, G, j, l, h, byte]
     word = b[..., 0] | (b[..., 1] << 8)  # [..., T, G, j, l, h]
-    ar = functools.partial(jnp.arange, dtype=jnp.uint16)
-    shift = 4 * ar(4)[:, None] + 2 * ar(2)[:, None, None, None, None, None, None] + ar(2)[:, None, None, None]
+    ar = functools.partial(jnp.arange, dtype=jnp.int32)
+    # bit c + 4 + 8 (k % 2) - 4 (k // 2): unpack k = 0, 1, 2, 3 of line c at c + 4, c + 12, c, c + 8
+    shift = ar(4)[:, None] + 4 + 8 * ar(2)[:, None, None, None] - 4 * ar(2)[:, None, None, None, None, None, None]
+    shift = shift.astype(jnp.uint16)
     word = jnp.transpose(word, (*range(nl), nl + 1, nl + 2, nl + 4, nl, nl + 3))  # [..., G, j, h, T, l]
     w = word[..., None, :, :, None, :, None, :]  # [..., G, 1, j, h, 1, T, 1, l]
     bits = (w >> shift) & 1  # [..., G, k//2, j, h, k%2, T, c, l]: input 16 (k//2) + 4j + 2h + k%2
