@@ -5,8 +5,10 @@ row, hk_w8a16), beside the bytes hkserve reads per token and the GGUF's own byte
 Shapes and GGUF types come from the file; the weights are random values of the same packed formats (a
 kernel's time does not depend on them). The machine is shared, so each figure is the minimum of many
 calls. `--form min` times every 8-bit stack as Int8Group (hk_w8ga16, the store before issue 36's signed
-groups); the default times the Q4_0/Q5_0/Q8_0 stacks as the import stores them now (Int8Sym, hk_w8sa16).
-Usage: python scripts/gemma3_kernel_profile.py [GGUF] [--repeats N] [--form sym|min]
+groups); `--form sym` the Q4_0/Q5_0/Q8_0 stacks as Int8Sym (hk_w8sa16, `gemma3-270m-mix2`); the default,
+`five`, as the import stores them now: stacks of Q5_0 only as Int5Sym (hk_w5sa16), the other Q4_0/Q5_0/Q8_0
+ones as Int8Sym. Several forms (`--form sym,five --rounds 2`) alternate in one process, a table each.
+Usage: python scripts/gemma3_kernel_profile.py [GGUF] [--repeats N] [--form F[,F...]] [--rounds N]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from hkserve.checkpoint.gguf_quant import SYM8
 from hkserve.kernels import ffi, pack, pack4, q4ffi
-from hkserve.model.int4 import Int8Sym, quantize_int4, quantize_int8_groups
+from hkserve.model.int4 import Int5Sym, Int8Sym, pack_high, pack_nibbles, quantize_int4, quantize_int8_groups
 
 DEFAULT = "/root/.cache/hkserve-gemma3-270m/gemma-3-270m-q4_k_m.gguf"
 INT4 = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
@@ -65,7 +67,12 @@ def operands(name: str, info: dict, form: str) -> tuple[str, tuple, int]:
     if info["types"] <= INT4:
         parts = pack4.pack4(*map(jnp.asarray, quantize_int4(w)))
         kind = "w4a16"
-    elif form == "sym" and info["types"] <= set(SYM8):
+    elif form == "five" and info["types"] == {gguf.GGMLQuantizationType.Q5_0}:
+        q = np.random.default_rng(1).integers(0, 32, (k, n), dtype=np.uint8)
+        w5 = Int5Sym(pack_nibbles(q & 15), pack_high(q), np.full((k // 32, n), 1e-3, np.float16))
+        parts = pack4.pack5(*map(jnp.asarray, w5))
+        kind = "w5sa16"
+    elif form in ("sym", "five") and info["types"] <= set(SYM8):
         q = np.random.default_rng(1).integers(-128, 128, (k, n), dtype=np.int8)
         parts = pack4.pack8_sym(*map(jnp.asarray, Int8Sym(q, np.full((k // 32, n), 1e-3, np.float16))))
         kind = "w8sa16"
@@ -79,9 +86,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf", nargs="?", default=DEFAULT)
     ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--form", choices=("sym", "min"), default="sym")
+    ap.add_argument("--form", default="five", help="five | sym | min, or several, comma-separated (alternated)")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     q4ffi.available()
+    forms = args.form.split(",")
+    if not set(forms) <= {"five", "sym", "min"}:
+        ap.error("--form takes five, sym, min")
+    for r in range(args.rounds):
+        for form in forms:
+            print(f"\nround {r + 1}, --form {form}")
+            table(args.gguf, form, args.repeats)
+
+
+def table(path: str, form: str, repeats: int) -> None:
+    """One form's table: per stack its kernel, bytes a token and kernel-only ms a token per ISA path."""
     isas = [i for i in (2, 1) if i <= ffi.cpu_isa()]
     print(
         "| tensor (GGUF types) | K x N | layers | kernel | GGUF MB/token | hkserve MB/token | "
@@ -90,19 +109,21 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|" + "---|" * len(isas))
     totals = defaultdict(float)
-    for name, info in sorted(stacks(args.gguf).items(), key=lambda kv: kv[0]):
-        kind, parts, nbytes = operands(name, info, args.form)
+    for name, info in sorted(stacks(path).items(), key=lambda kv: kv[0]):
+        kind, parts, nbytes = operands(name, info, form)
         k, n = info["shape"]
         x = jnp.asarray(np.random.default_rng(2).standard_normal((1, k)).astype(np.float32))
         times = []
         for isa in isas:
             if kind == "w8a16":
                 fn = jax.jit(lambda x, w, s, isa=isa: ffi.matmul(x, w, s, "w8a16", isa, threads=1))
+            elif kind == "w5sa16":
+                fn = jax.jit(lambda x, w, h, s, isa=isa, n=n: q4ffi.matmul_int5_sym(x, w, h, s, n, isa, 1))
             elif kind == "w8sa16":
                 fn = jax.jit(lambda x, w, s, isa=isa, n=n: q4ffi.matmul_int8_sym(x, w, s, n, isa, 1))
             else:
                 fn = jax.jit(lambda x, w, s, m, isa=isa, kind=kind, n=n: q4ffi.matmul_int4(x, w, s, m, n, kind, isa, 1))
-            sec = timed(fn, (x, *parts), args.repeats) * info["layers"]
+            sec = timed(fn, (x, *parts), repeats) * info["layers"]
             times.append(sec * 1e3)
             totals[isa] += sec * 1e3
         hk_mb, gguf_mb = nbytes * info["layers"] / 1e6, info["gguf_bytes"] / 1e6

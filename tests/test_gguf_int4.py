@@ -30,7 +30,7 @@ from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels import dispatch
 from hkserve.model.build import build_model
 from hkserve.model.config import WEIGHTS
-from hkserve.model.int4 import Int4Weight, Int8Group, Int8Sym, dequantize
+from hkserve.model.int4 import Int4Weight, Int5Sym, Int8Group, Int8Sym, dequantize
 
 Q = gguf.GGMLQuantizationType
 
@@ -60,8 +60,8 @@ def test_int4_import_keeps_the_blocks_of_a_4_bit_gguf(tmp_path, sp, qtype):  # n
 
 
 # A k-quant mix as llama.cpp's Q4_K_M makes them (quantizable types only): most matrices 4-bit, attn_v
-# Q8_0 in one layer and Q4_1 in the other (a mixed stack with a min), ffn_down Q5_0, attn_k Q8_0 and
-# Q5_0 (a mixed stack without a min), the output head Q5_1.
+# Q8_0 in one layer and Q4_1 in the other (a mixed stack with a min), ffn_down Q5_0 (a stack of Q5_0
+# only: 5-bit groups), attn_k Q8_0 and Q5_0 (a mixed stack without a min), the output head Q5_1.
 MIX = {"blk.0.attn_v.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q4_1, "output.weight": Q.Q5_1}
 MIX |= {f"blk.{i}.ffn_down.weight": Q.Q5_0 for i in range(2)}
 MIX |= {"blk.0.attn_k.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q5_0}
@@ -69,8 +69,9 @@ MIX |= {"blk.0.attn_k.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q5_0}
 
 def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit_groups(tmp_path, sp):  # noqa: F811
     """Issue 36: a 4-bit mix is served from its own blocks without forcing 4 bits on what the file kept
-    at more: a stack whose tensors are all Q4_0/Q4_1/Q4_K stays int4, one of Q4_0/Q5_0/Q8_0 becomes signed
-    8-bit groups (config.int8_sym_linears), any other 8-bit groups with a min (config.int8_linears), every
+    at more: a stack whose tensors are all Q4_0/Q4_1/Q4_K stays int4, one of Q5_0 only signed 5-bit groups
+    (config.int5_linears), one of Q4_0/Q5_0/Q8_0 signed 8-bit groups (config.int8_sym_linears), any other
+    8-bit groups with a min (config.int8_linears), every
     linear weight equal to gguf's dequantization bit for bit; the store keeps them (packed for the
     kernels) with both lists in its config, and the model follows the float one."""
     path = tmp_path / "mix.gguf"
@@ -78,9 +79,13 @@ def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit
     float_config, floats, _ = load_gguf(path)
     config, params = load_gguf_int4(path)
     assert config.int8_linears == ("lm_head", "v_proj")
-    assert config.int8_sym_linears == ("down_proj", "k_proj")
+    assert config.int8_sym_linears == ("k_proj",) and config.int5_linears == ("down_proj",)
     for module, names in params.items():
-        if module.rsplit("/", 1)[-1] in config.int8_sym_linears:
+        if module.rsplit("/", 1)[-1] in config.int5_linears:
+            assert set(names) == {"w", "high", "scale"} and names["scale"].dtype == np.float16, module
+            got, want = dequantize(Int5Sym(names["w"], names["high"], names["scale"])), floats[module]["w"]
+            assert np.array_equal(got[..., : want.shape[-2], :].view(np.uint32), want.view(np.uint32)), module
+        elif module.rsplit("/", 1)[-1] in config.int8_sym_linears:
             assert set(names) == {"w", "scale"} and names["scale"].dtype == np.float16, module
             got, want = dequantize(Int8Sym(names["w"], names["scale"])), floats[module]["w"]
             assert np.array_equal(got[..., : want.shape[-2], :].view(np.uint32), want.view(np.uint32)), module
@@ -100,7 +105,7 @@ def test_a_k_quant_mix_keeps_its_4_bit_stacks_int4_and_the_others_in_exact_8_bit
     assert all(np.array_equal(np.asarray(stored[m][n]), v) for m, names in params.items() for n, v in names.items())
     expanded = store.params("mix", weights="f32")  # f32 on request: the signed groups' own dequantization
     for module in params:
-        if module.rsplit("/", 1)[-1] in config.int8_sym_linears:
+        if module.rsplit("/", 1)[-1] in config.int8_sym_linears + config.int5_linears:
             assert np.array_equal(np.asarray(expanded[module]["w"]), floats[module]["w"]), module
     jax.clear_caches()
 
@@ -188,8 +193,8 @@ def _greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
 def test_a_4_bit_gguf_store_serves_the_greedy_tokens_of_its_blocks(tmp_path, sp, monkeypatch, mix):  # noqa: F811
     """`serve`'s loader on the master-less store (the CPU default: int4 through auto's kernels) continues
     prompts with the tokens an Engine on the file's int4 import makes (what params-int4 held before); the
-    k-quant mix's int4 variant too, with its 8-bit and signed 8-bit stacks (their params replicated on
-    serve's mesh)."""
+    k-quant mix's int4 variant too, with its 8-bit, signed 8-bit and 5-bit stacks (their params replicated
+    on serve's mesh)."""
     path = tmp_path / "tiny.gguf"
     kind = {"qtype": Q.Q4_0, "types": MIX} if mix else {"quantize": True, "qtype": Q.Q4_1}
     write_llama_gguf(path, require_fixtures() / "hf" / "tiny-llama-untied", sp, **kind)
@@ -198,7 +203,7 @@ def test_a_4_bit_gguf_store_serves_the_greedy_tokens_of_its_blocks(tmp_path, sp,
     prompts = [[1, 5, 17, 33, 2], [1, 64, 9, 11, 100, 7, 3]]
     _, runner, _ = load_runner(LoadOptions(model="tiny", max_len=64), slots=2)
     assert runner.engine.model.config.dtype == "int4"
-    assert bool(runner.engine.model.config.int8_sym_linears) == mix
+    assert bool(runner.engine.model.config.int8_sym_linears) == bool(runner.engine.model.config.int5_linears) == mix
     served = _greedy(runner, prompts, 10)
     config, params = load_gguf_int4(path)
     engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, EngineOptions(slots=2, max_len=64))

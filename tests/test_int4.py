@@ -19,11 +19,12 @@ from hkserve.checkpoint.gguf_quant import (
     REQUANTIZED,
     SYM8,
     grouped,
+    grouped5,
     grouped8,
     grouped8_sym,
     grouped_tensor,
 )
-from hkserve.model.int4 import Int4Weight, Int8Group, Int8Sym, dequantize, grouped_dot, quantize_int4
+from hkserve.model.int4 import Int4Weight, Int5Sym, Int8Group, Int8Sym, dequantize, grouped_dot, quantize_int4
 
 SHAPE = (48, 512)  # [out, in]: two k-quant super-blocks of 256 per row
 CAN_QUANTIZE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
@@ -96,6 +97,30 @@ def test_min_less_types_map_into_signed_8_bit_groups_bit_for_bit(qtype):
         grouped8_sym(source(Q.Q4_1), Q.Q4_1, SHAPE)
 
 
+def _random_q5_0(shape=SHAPE, seed: int = 0) -> np.ndarray:
+    """Q5_0 blocks with every qs and qh byte random (each q in 0..31 met) and float16 d of both signs."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // 32, 22), dtype=np.uint8)
+    d = rng.uniform(1e-4, 3e-3, (blocks.shape[0], 1)) * rng.choice([-1, 1], (blocks.shape[0], 1))
+    blocks[:, :2] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("blocks", ["quantized", "random"])
+def test_q5_0_maps_into_signed_5_bit_groups_bit_for_bit(blocks):
+    """Q5_0 as it is (Int5Sym: the low nibbles, qh's bits, the float16 d): gguf's float32 bits exactly,
+    the sign of zero included, at the file's 0.6875 bytes a weight; grouped5 refuses other types."""
+    data = source(Q.Q5_0, seed=5) if blocks == "quantized" else _random_q5_0(seed=6)
+    w = grouped5(data, Q.Q5_0, SHAPE)
+    assert isinstance(w, Int5Sym) and w.scale.dtype == np.float16
+    assert w.nibbles.shape == (SHAPE[1] // 2, SHAPE[0]) and w.high.shape == (SHAPE[1] // 8, SHAPE[0])
+    assert sum(a.nbytes for a in w) == data.nbytes  # 22 bytes a block of 32, as in the file
+    got, want = dequantize(w), reference(data, Q.Q5_0)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="not Q5_0"):
+        grouped5(source(Q.Q8_0), Q.Q8_0, SHAPE)
+
+
 def test_q6_k_requantized_into_8_bit_groups_within_the_stated_bound():
     data = source(Q.Q6_K)
     ref = reference(data, Q.Q6_K)
@@ -136,12 +161,13 @@ def test_constant_groups_quantize_exactly():
     assert np.array_equal(dequantize(quantize_int4(w)), w)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8-sym-Q5_0", "int8-sym-Q8_0"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8-sym-Q5_0", "int8-sym-Q8_0", "int5-sym"])
 def test_xla_grouped_dot_equals_float64_product_of_ggufs_dequantized_weight(kind):
-    qtype = {"int4": Q.Q4_1, "int8": Q.Q8_0, "int8-sym-Q5_0": Q.Q5_0, "int8-sym-Q8_0": Q.Q8_0}[kind]
+    qtype = {"int4": Q.Q4_1, "int8": Q.Q8_0, "int8-sym-Q5_0": Q.Q5_0, "int8-sym-Q8_0": Q.Q8_0, "int5-sym": Q.Q5_0}[kind]
     shape = (40, 96)
     data = source(qtype, shape, seed=2)
-    w = grouped8_sym(data, qtype, shape) if "sym" in kind else grouped(data, qtype, shape)
+    w = grouped8_sym(data, qtype, shape) if "8-sym" in kind else grouped(data, qtype, shape)
+    w = grouped5(data, qtype, shape) if kind == "int5-sym" else w
     dense = reference(data, qtype, shape).astype(np.float64)  # gguf's floats
     x = np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32)
     y = np.asarray(jax.jit(grouped_dot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))

@@ -114,3 +114,15 @@ def test_a_packed_store_restores_plain_onto_a_mesh(tmp_path):
     cmd = [sys.executable, "-c", MESH_SCRIPT, str(tmp_path)]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_stored_5_bit_layout_is_pinned():
+    """The same for an int4 model whose q/k/v and gate/up are signed 5-bit groups (kernels/pack4.pack5, its
+    high-bit plane): a changed plane fails here (stores of the int5 form hold it packed)."""
+    digest, rng = hashlib.sha256(), np.random.default_rng(0)
+    config = tiny_config(dim=96, ffn_dim=160, vocab_size=200, tie_embeddings=True, dtype="int4")
+    config = config.replace(int5_linears=("gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"))
+    plain = jax.tree_util.tree_map(lambda s: _random(rng, s.shape, s.dtype), param_shapes(config))
+    for leaf in jax.tree_util.tree_leaves(kernel_packing(config)(plain)):
+        digest.update(np.asarray(leaf).tobytes())
+    assert (STORED_LAYOUT, digest.hexdigest()[:16]) == (1, "8a75636bc1c1e088")

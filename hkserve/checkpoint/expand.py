@@ -16,7 +16,16 @@ import numpy as np
 from hkserve.checkpoint.quantize import INT8_AXES
 from hkserve.model.build import param_shapes
 from hkserve.model.config import ModelConfig
-from hkserve.model.int4 import Int4Weight, Int8Group, Int8Sym, dequantize, is_int8_group, is_int8_sym
+from hkserve.model.int4 import (
+    Int4Weight,
+    Int5Sym,
+    Int8Group,
+    Int8Sym,
+    dequantize,
+    is_int5_sym,
+    is_int8_group,
+    is_int8_sym,
+)
 
 QUANTIZED = ("int8", "int4")
 
@@ -40,6 +49,9 @@ def expand_params(params: dict, config: ModelConfig) -> tuple[ModelConfig, dict]
                 kind = Int8Group if is_int8_group(stored) else Int4Weight
                 full = dequantize(kind(value, np.asarray(stored["scale"]), np.asarray(stored["min"])))
                 value = full[..., : spec.shape[-2], :]
+            elif name == "w" and is_int5_sym(stored):  # signed 5-bit groups [..., K_pad/2, N] → [..., K, N]
+                parts = (np.asarray(stored["high"]), np.asarray(stored["scale"]))
+                value = dequantize(Int5Sym(value, *parts))[..., : spec.shape[-2], :]
             elif name == "w" and is_int8_sym(stored):  # signed 8-bit groups [..., K_pad, N] → [..., K, N]
                 value = dequantize(Int8Sym(value, np.asarray(stored["scale"])))[..., : spec.shape[-2], :]
             elif name in INT8_AXES and value.dtype == np.int8:

@@ -23,6 +23,9 @@ source values): Q6_K (whose 16-value sub-blocks have scales of their own) and ev
   Q5_0  w = d * (q - 16)  → q - 16, scale d
   Q8_0  w = d * q         → q,      scale d
 gguf computes the same float32 product d * (q - offset), so the bits are equal (-0 included).
+
+`grouped5` maps Q5_0 blocks into signed 5-bit groups (model/int4.Int5Sym) as they are: the 32 low
+nibbles, the 32 high bits of qh and the float16 d, 5.5 bits a weight; the same product, equal bits.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from gguf import GGMLQuantizationType as Q
 from hkserve.model.int4 import (
     GROUP,
     Int4Weight,
+    Int5Sym,
     Int8Group,
     Int8Sym,
+    pack_high,
     pack_nibbles,
     quantize_int4,
     quantize_int8_groups,
@@ -139,6 +144,17 @@ def grouped8_sym(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int8Sym:
         q = (q.astype(np.int16) - SYM8[qtype]).astype(np.int8)
     d = np.ascontiguousarray(blocks[:, :2]).view(np.float16)[:, 0]
     return Int8Sym(_columns(q, shape).reshape(inp, out), _columns(d, shape))
+
+
+def grouped5(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int5Sym:
+    """A Q5_0 tensor's raw bytes, `shape` [out, in] → signed 5-bit groups [in, out] (module docstring)."""
+    if qtype != Q.Q5_0:
+        raise ValueError(f"{qtype.name} blocks are not Q5_0: no signed 5-bit group mapping")
+    out, inp = shape
+    blocks = _blocks(data, qtype)
+    q = _columns(_groups_q5(blocks, qtype)[0], shape).reshape(inp, out)  # 0..31
+    d = np.ascontiguousarray(blocks[:, :2]).view(np.float16)[:, 0]
+    return Int5Sym(pack_nibbles(q & np.uint8(0x0F)), pack_high(q), _columns(d, shape))
 
 
 def grouped(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Weight | Int8Group:

@@ -21,6 +21,7 @@
 
 #include "q4.h"
 #include "q4a16.h"
+#include "q5a16.h"
 #include "q8a16.h"
 #include "quant8.h"
 #include "threads.h"
@@ -183,6 +184,31 @@ ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// hk_w5sa16: signed 5-bit groups (q5a16.h) with a float16 scale and no min: w [(L,) N/64, K/32, 1024]
+// (the low nibbles), high [(L,) N/64, K/32, 256] (the high bits), scale [(L,) N/64, K/32, 64] float16.
+ffi::Error w5sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high,
+                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
+                  int64_t threads) {
+  Q4Problem p{};
+  int64_t at = 0;
+  auto wd = w.dimensions(), hd = high.dimensions();
+  bool same = hd.size() == wd.size() && hd.size() > 0 && hd[hd.size() - 1] == hk::kQ5High;
+  for (size_t i = 0; same && i + 1 < wd.size(); ++i) same = hd[i] == wd[i];
+  std::string why = same ? grouped_problem(p, x.dimensions(), wd, scale.dimensions(), y->dimensions(), layer,
+                                           w.typed_data(), y->typed_data(), GB, isa, &at)
+                         : "high must be w's shape with 256 bytes a group";
+  if (!why.empty()) return ffi::Error::InvalidArgument("hk_w5sa16: " + why);
+  const uint8_t* hi = high.typed_data() + at * hk::kQ5High;
+  const uint16_t* sc16 = scale.typed_data() + at * hk::NT;
+  if (p.m == 0) return ffi::Error::Success();
+  hk::quantize_a16(x.typed_data(), p);
+  const int32_t* xsum = hk::group_sums16(p);
+  run_items(pool, p, threads, [&p, hi, sc16, xsum, isa](int64_t t, int64_t r, int64_t end) {
+    hk::run_rows_q5(p, hi, sc16, xsum, isa, t, r, end);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define HK_Q4_BINDING                   \
@@ -200,13 +226,20 @@ ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A8, w4a8, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW4A16, w4a16, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);
+// The signed forms' operands after x and the packed bytes (hk_w5sa16 has its high bits between).
+#define HK_SYM_TAIL                     \
+  .Arg<ffi::Buffer<ffi::F16>>()         \
+      .Arg<ffi::Buffer<ffi::S32>>()     \
+      .Ret<ffi::Buffer<ffi::F32>>()     \
+      .Attr<int64_t>("isa")             \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8SA16, w8sa16,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  HK_SYM_TAIL);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW5SA16, w5sa16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("threads"));
+                                  .Arg<ffi::Buffer<ffi::U8>>() HK_SYM_TAIL);

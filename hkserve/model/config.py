@@ -36,6 +36,8 @@ class ModelConfig:
     # than Q4_0/Q4_1/Q4_K (checkpoint/gguf_int4.py)
     int8_sym_linears: tuple[str, ...] = ()  # int4 only: linear modules stored as signed 8-bit groups with a
     # float16 scale and no min (model/int4.Int8Sym): a GGUF's stacks of Q4_0/Q5_0/Q8_0 (not all Q4_0)
+    int5_linears: tuple[str, ...] = ()  # int4 only: linear modules stored as signed 5-bit groups with a
+    # float16 scale (model/int4.Int5Sym): a GGUF's stacks whose every tensor is Q5_0
     kv_dtype: str = "auto"  # the KV memory's: auto (bfloat16 for bfloat16 weights, else float32) | float32 | bfloat16
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
@@ -110,6 +112,12 @@ class ModelConfig:
             raise ValueError(
                 f"int8_sym_linears names int4 models' linear modules not in int8_linears ({', '.join(LINEARS)})"
             )
+        if self.int5_linears and (
+            self.dtype != "int4"
+            or not set(self.int5_linears) <= set(LINEARS)
+            or set(self.int5_linears) & set(self.int8_linears + self.int8_sym_linears)
+        ):
+            raise ValueError(f"int5_linears names int4 models' linear modules in no other list ({', '.join(LINEARS)})")
         if self.moe_routing not in ("mixtral", "grok"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r} (mixtral | grok)")
         if self.moe_activation not in ("silu", "gelu", "gelu_exact", "clamped_swiglu"):
@@ -212,11 +220,12 @@ class ModelConfig:
         return 2 * self.n_layers * gau + self.vocab_size * self.dim + head + (self.dim if self.vq_e_preln else 0)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A changed copy; a dtype other than int4 drops int8_linears and int8_sym_linears (they describe
-        the int4 variant)."""
+        """A changed copy; a dtype other than int4 drops int8_linears, int8_sym_linears and int5_linears
+        (they describe the int4 variant)."""
         if changes.get("dtype", "int4") != "int4":
             changes.setdefault("int8_linears", ())
             changes.setdefault("int8_sym_linears", ())
+            changes.setdefault("int5_linears", ())
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:

@@ -2,7 +2,8 @@
 blocks map into exactly), 8-bit groups of the same form (what every other GGUF block type of up to 8
 bits maps into: Q5_0/Q5_1/Q5_K/Q8_0 exactly, Q6_K by a documented requantization), and signed 8-bit
 groups without a min (`Int8Sym`: what GGUF's min-less Q4_0/Q5_0/Q8_0 blocks map into exactly, at 1.0625
-bytes a weight instead of 1.25).
+bytes a weight instead of 1.25), and signed 5-bit groups (`Int5Sym`: GGUF's Q5_0 blocks exactly, at their own
+0.6875 bytes a weight).
 
 A weight [K, N] (stored [in, out], like every linear weight) is, per output column and group of 32
 consecutive inputs g, w[k, n] = scale[g, n] * q[k, n] + min[g, n], q in 0..15. The store keeps q as
@@ -48,6 +49,15 @@ class Int8Sym(NamedTuple):
     scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float16
 
 
+class Int5Sym(NamedTuple):
+    """w[k, n] = scale[g, n] * (q[k, n] - 16), q in 0..31 held as a low nibble and a high bit, scale float16:
+    GGUF's Q5_0 blocks exactly as the file holds them (0.6875 bytes a weight; Int8Sym holds them in 1.0625)."""
+
+    nibbles: np.ndarray | jax.Array  # [..., K_pad/2, N] uint8: q's low 4 bits, pack_nibbles' order
+    high: np.ndarray | jax.Array  # [..., K_pad/8, N] uint8: bit i of byte 4g + b is q's bit 4 at input 32g + 8b + i
+    scale: np.ndarray | jax.Array  # [..., K_pad/32, N] float16
+
+
 def is_int8_group(names: dict) -> bool:
     """Whether a module's params {w, scale, min} hold 8-bit groups (w [..., K_pad, N]) rather than
     int4 nibbles (w [..., K_pad/2, N]): the two are told apart by w's rows per group."""
@@ -55,8 +65,18 @@ def is_int8_group(names: dict) -> bool:
 
 
 def is_int8_sym(names: dict) -> bool:
-    """Whether a module's params hold signed 8-bit groups {w, scale float16} (stored or packed): the only
-    linear params with a float16 scale and no min."""
+    """Whether a module's params hold signed 8-bit groups {w, scale float16} (stored or packed): the
+    linear params with a float16 scale and no min that are not 5-bit groups."""
+    return _f16_scale(names) and not is_int5_sym(names)
+
+
+def is_int5_sym(names: dict) -> bool:
+    """Whether a module's params hold signed 5-bit groups {w nibbles, high, scale float16}, stored or
+    packed (kernels/pack4.pack5): the only linear params with a `high`."""
+    return "high" in names
+
+
+def _f16_scale(names: dict) -> bool:
     return "min" not in names and "scale" in names and names["scale"].dtype == np.float16
 
 
@@ -75,15 +95,32 @@ def unpack_nibbles(nibbles, xp=np):
     return q.reshape(*lead, half * 2, n)
 
 
+def unpack_high(high, xp=np):
+    """high [..., K_pad/8, N] → q's bit 4 [..., K_pad, N] uint8 in 0..1 (xp: numpy or jax.numpy)."""
+    *lead, eighth, n = high.shape
+    bits = (high[..., :, None, :] >> xp.arange(8, dtype=xp.uint8)[:, None]) & 1  # [..., K/8, 8, N]
+    return bits.reshape(*lead, eighth * 8, n).astype(xp.uint8)
+
+
+def pack_high(q: np.ndarray) -> np.ndarray:
+    """q [..., K_pad, N] (values 0..31) → high [..., K_pad/8, N]: bit 4 of each, 8 inputs a byte."""
+    *lead, k, n = q.shape
+    bits = ((q.astype(np.uint8) >> np.uint8(4)) & np.uint8(1)).reshape(*lead, k // 8, 8, n)
+    return (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2, dtype=np.uint8)
+
+
 def _per_input(group_param, xp=np):
     """[..., G, N] → [..., G * 32, N]: each group's value at each of its inputs."""
     return xp.repeat(group_param, GROUP, axis=-2)
 
 
-def dequantize(w: Int4Weight | Int8Group | Int8Sym, xp=np):
+def dequantize(w: Int4Weight | Int8Group | Int8Sym | Int5Sym, xp=np):
     """→ float32 [..., K_pad, N]: scale * q + min in float32, one rounding (scale * q is exact for
     GGUF's scales: 11-17 significant bits times 4), as gguf's own dequantization computes it; Int8Sym:
-    scale * q, the float16 scale widened exactly."""
+    scale * q, the float16 scale widened exactly; Int5Sym: scale * (q - 16), as gguf computes Q5_0."""
+    if isinstance(w, Int5Sym):
+        q = unpack_nibbles(w.nibbles, xp) | (unpack_high(w.high, xp) << 4)
+        return (q.astype(xp.int16) - 16).astype(xp.float32) * _per_input(w.scale.astype(xp.float32), xp)
     if isinstance(w, Int8Sym):
         return w.q.astype(xp.float32) * _per_input(w.scale.astype(xp.float32), xp)
     q = (w.q if isinstance(w, Int8Group) else unpack_nibbles(w.nibbles, xp)).astype(xp.float32)
@@ -117,7 +154,7 @@ def quantize_int8_groups(w: np.ndarray) -> Int8Group:
     return Int8Group(*_minmax_groups(w, 255))
 
 
-def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group | Int8Sym) -> jax.Array:
+def grouped_dot(x: jax.Array, w: Int4Weight | Int8Group | Int8Sym | Int5Sym) -> jax.Array:
     """x [..., K] · a grouped weight → [..., N] float32, dequantized in the dot's prologue (XLA fuses
     it): the fallback of the CPU kernels and the accelerators' path."""
     k = x.shape[-1]

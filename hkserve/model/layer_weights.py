@@ -30,7 +30,9 @@ class HeldWeight(NamedTuple):
     scale: jax.Array  # [L, N] float32 (int4: [L, N/64, K/32, 64])
     layer: jax.Array  # [] int32: the layer the scan is at
     mins: jax.Array | None = None  # int4 only: [L, N/64, K/32, 64] float32 (kernels/pack4.py; 8-bit groups: w
-    # [L, N/64, K/32, 2048], pack4.pack8; signed 8-bit groups: no mins, scale [L, N/64, K/32, 64] float16)
+    # [L, N/64, K/32, 2048], pack4.pack8; signed 8-bit groups: no mins, scale [L, N/64, K/32, 64] float16;
+    # signed 5-bit groups: no mins, w [L, N/64, K/32, 1024], scale float16 as signed 8-bit groups', and high)
+    high: jax.Array | None = None  # signed 5-bit groups only: [L, N/64, K/32, 256] uint8 (pack4.pack5)
 
     def matmul(self, x: jax.Array, n: int) -> jax.Array:
         """x [..., K] · this layer's weight → [..., n] through the active CPU kernel of its form (int8 per
@@ -39,6 +41,10 @@ class HeldWeight(NamedTuple):
         if self.mins is not None:  # int4 or 8-bit groups
             kind = q4ffi.kind_for(self.packed, kernel.int4)
             return q4ffi.matmul_int4(x, *self[:2], self.mins, n, kind, kernel.isa, kernel.threads, layer=self.layer)
+        if self.high is not None:  # signed 5-bit groups
+            return q4ffi.matmul_int5_sym(
+                x, self.packed, self.high, self.scale, n, kernel.isa, kernel.threads, self.layer
+            )
         if self.scale.dtype == jnp.float16:  # signed 8-bit groups
             return q4ffi.matmul_int8_sym(x, *self[:2], n, kernel.isa, kernel.threads, layer=self.layer)
         return ffi.matmul(x, self.packed, self.scale, kernel.kind, kernel.isa, kernel.threads, layer=self.layer)
@@ -54,9 +60,9 @@ def split(params: dict) -> tuple[dict, dict]:
     for module, names in params.items():
         w = names.get("w")
         int4 = "min" in names and w is not None and w.ndim == 4  # packed by kernels/pack4.py
-        sym = "min" not in names and w is not None and w.ndim == 4  # pack4.pack8_sym
+        sym = "min" not in names and w is not None and w.ndim == 4  # pack4.pack8_sym, pack5
         if module.startswith(STACK) and w is not None and w.dtype == jnp.uint8 and (w.ndim == 5 or int4 or sym):
-            parts = ("w", "scale", "min") if int4 else ("w", "scale")
+            parts = ("w", "scale", "min") if int4 else ("w", "scale", "high") if "high" in names else ("w", "scale")
             held[module[len(STACK) :]] = tuple(names[p] for p in parts)
             others = {k: v for k, v in names.items() if k not in parts}
             if others:  # e.g. a bias beside the weight
@@ -91,8 +97,10 @@ def held(module: str) -> HeldWeight | None:
     weights, layer = _HELD.get(), _LAYER.get()
     if weights is None or layer is None or module not in weights:
         return None
-    packed, scale, *mins = weights[module]
-    return HeldWeight(packed, scale, layer, *mins)
+    packed, scale, *rest = weights[module]
+    if len(weights[module]) == 3 and weights[module][2].dtype == jnp.uint8:  # (w, scale, high): 5-bit groups
+        return HeldWeight(packed, scale, layer, high=rest[0])
+    return HeldWeight(packed, scale, layer, *rest)
 
 
 def fused(name: str, widths: tuple[int, ...], x: jax.Array) -> list[jax.Array] | None:

@@ -14,21 +14,25 @@ import jax.numpy as jnp
 from hkserve.kernels import dispatch, ffi, pack, pack4, q4ffi
 from hkserve.model import layer_weights
 from hkserve.model.config import ModelConfig
-from hkserve.model.int4 import GROUP, Int4Weight, Int8Group, Int8Sym, grouped_dot
+from hkserve.model.int4 import GROUP, Int4Weight, Int5Sym, Int8Group, Int8Sym, grouped_dot
 
 F32 = jnp.float32
 INT4 = "int4"  # the param_dtype of int4 models' linear weights: Int4Weight params w, scale, min
 INT8G = "int8g"  # ... of those of their config.int8_linears: Int8Group params w (8-bit q), scale, min
 INT8S = "int8s"  # ... of their config.int8_sym_linears: Int8Sym params w (int8 q), scale (float16)
+INT5S = "int5s"  # ... of their config.int5_linears: Int5Sym params w (nibbles), high (bit 4), scale (float16)
 
 
 def param_dtype(config: ModelConfig, name: str | None = None):
     """Storage dtype of weight matrices (norm scales stay float32 for int8 weights); `name`: the linear
-    module's, which an int4 model may keep in 8-bit groups (config.int8_linears, int8_sym_linears)."""
+    module's, which an int4 model may keep in 8-bit or 5-bit groups (config.int8_linears, int8_sym_linears,
+    int5_linears)."""
     if name is not None and name in config.int8_linears:
         return INT8G
     if name is not None and name in config.int8_sym_linears:
         return INT8S
+    if name is not None and name in config.int5_linears:
+        return INT5S
     return {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "int4": INT4}.get(config.dtype, F32)
 
 
@@ -116,6 +120,8 @@ class Linear(hk.Module):
             y = held.matmul(x, self.out_dim)
         elif self.dtype == INT4:
             y = _int4_linear(x, self.out_dim)
+        elif self.dtype == INT5S:
+            y = _int5_linear(x, self.out_dim)
         elif self.dtype in (INT8G, INT8S):
             y = _int8_group_linear(x, self.out_dim, signed=self.dtype == INT8S)
         else:
@@ -142,6 +148,23 @@ def _int8_group_linear(x: jax.Array, out_dim: int, signed: bool) -> jax.Array:
     q = hk.get_parameter("w", [groups * GROUP, out_dim], jnp.int8 if signed else jnp.uint8, init=jnp.zeros)
     parts = (hk.get_parameter(n, [groups, out_dim], dtype, init=jnp.ones if n == "scale" else jnp.zeros) for n in names)
     return grouped_dot(x, (Int8Sym if signed else Int8Group)(q, *parts))
+
+
+def _int5_linear(x: jax.Array, out_dim: int) -> jax.Array:
+    """x · an Int5Sym [K, out_dim] (K padded to whole groups): hk_w5sa16 with the CPU kernels, else
+    dequantized in the dot (XLA)."""
+    groups = -(-x.shape[-1] // GROUP)
+    kernel = dispatch.matmuls()
+    if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack5)
+        wshape, hshape, sshape = pack4.packed_shapes5((groups * GROUP // 2, out_dim))
+        w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
+        high = hk.get_parameter("high", hshape, jnp.uint8, init=jnp.zeros)
+        scale = hk.get_parameter("scale", sshape, jnp.float16, init=jnp.zeros)
+        return q4ffi.matmul_int5_sym(x, w, high, scale, out_dim, kernel.isa, kernel.threads)
+    w = hk.get_parameter("w", [groups * GROUP // 2, out_dim], jnp.uint8, init=jnp.zeros)
+    high = hk.get_parameter("high", [groups * GROUP // 8, out_dim], jnp.uint8, init=jnp.zeros)
+    scale = hk.get_parameter("scale", [groups, out_dim], jnp.float16, init=jnp.ones)
+    return grouped_dot(x, Int5Sym(w, high, scale))
 
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import pack, pack4
-from hkserve.model.int4 import is_int8_group, is_int8_sym
+from hkserve.model.int4 import is_int5_sym, is_int8_group, is_int8_sym
 from hkserve.model.layer_weights import STACK
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -46,6 +46,11 @@ def pack_layers(params: dict, served: dict) -> dict:
                 out[module].update(zip(("w", "scale", "min"), pack_groups(names["w"], names["scale"], names["min"])))
             assert all(out[module][n].shape == want[n].shape for n in ("w", "scale", "min")), module
             continue
+        if is_int5_sym(names) and want["w"].ndim == names["w"].ndim + 1:  # signed 5-bit groups (pack4.pack5)
+            out[module].update(zip(("w", "high", "scale"), pack4.pack5(names["w"], names["high"], names["scale"])))
+        if is_int5_sym(names):
+            assert all(out[module][n].shape == want[n].shape for n in ("w", "high", "scale")), module
+            continue
         if is_int8_sym(names) and want["w"].dtype == jnp.uint8:  # signed 8-bit groups (pack4.pack8_sym)
             if names["w"].shape != want["w"].shape:
                 out[module].update(zip(("w", "scale"), pack4.pack8_sym(names["w"], names["scale"])))
@@ -71,6 +76,12 @@ def unpack_layers(params: dict, plain: dict) -> dict:
     for module, names in params.items():
         out[module] = dict(names)
         want = plain[module]
+        if is_int5_sym(names) and names["w"].ndim == want["w"].ndim + 1:  # pack4.pack5, inverted
+            n = want["w"].shape[-1]
+            out[module].update(w=_unpack4(names["w"], n), high=_unpack_high(names["high"], n))
+            out[module].update(scale=_untile(names["scale"], n, jnp.float16))
+            assert all(out[module][name].shape == want[name].shape for name in want), module
+            continue
         sym = is_int8_sym(names)
         if ("min" in names or sym) and names["w"].shape != want["w"].shape:
             unpack = _unpack8g if names["w"].shape[-1] == 2048 else _unpack4
@@ -106,6 +117,24 @@ def _unpack4(packed, n: int):
     return w.reshape(*lead, groups * 16, tiles * pack4.N_TILE)[..., :n]
 
 
+def _unpack_high(plane, n: int):
+    """uint8 [..., T, G, 256] (pack4.pack5's high bits) → stored high [..., G * 4, N]: bit i of byte 4g + b
+    is input 32g + 8b + i's."""
+    *lead, tiles, groups, _ = plane.shape
+    nl = len(lead)
+    b = plane.reshape(*lead, tiles, groups, 4, 16, 2, 2).astype(jnp.uint16)  # [..., T, G, j, l, h, byte]
+    word = b[..., 0] | (b[..., 1] << 8)  # [..., T, G, j, l, h]
+    ar = functools.partial(jnp.arange, dtype=jnp.int32)
+    # bit c + 4 + 8 (k % 2) - 4 (k // 2): unpack k = 0, 1, 2, 3 of line c at c + 4, c + 12, c, c + 8
+    shift = ar(4)[:, None] + 4 + 8 * ar(2)[:, None, None, None] - 4 * ar(2)[:, None, None, None, None, None, None]
+    shift = shift.astype(jnp.uint16)
+    word = jnp.transpose(word, (*range(nl), nl + 1, nl + 2, nl + 4, nl, nl + 3))  # [..., G, j, h, T, l]
+    w = word[..., None, :, :, None, :, None, :]  # [..., G, 1, j, h, 1, T, 1, l]
+    bits = (w >> shift) & 1  # [..., G, k//2, j, h, k%2, T, c, l]: input 16 (k//2) + 4j + 2h + k%2
+    bits = bits.reshape(*lead, groups * 4, 8, tiles * pack4.N_TILE)[..., :n].astype(jnp.uint8)
+    return (bits << jnp.arange(8, dtype=jnp.uint8)[:, None]).sum(axis=-2, dtype=jnp.uint8)
+
+
 def _unpack8g(packed, n: int):
     """uint8 [..., T, G, 2048] → stored 8-bit groups [..., G * 32, N] (kernels/pack4.py's pack8, inverted)."""
     *lead, tiles, groups, _ = packed.shape
@@ -123,17 +152,17 @@ def _untile(tiled, n: int, dtype):
 
 def _fusable(entry: dict | None) -> bool:
     """A packed stacked weight without a bias: int8 (w, scale), int4 or 8-bit groups (w, scale, min;
-    kernels/pack4.py), signed 8-bit groups (w, float16 scale; pack4.pack8_sym)."""
+    kernels/pack4.py), signed 8-bit or 5-bit groups (w, float16 scale; pack4.pack8_sym, pack5)."""
     if entry is None or entry["w"].dtype != jnp.uint8:
         return False
     return (set(entry) == {"w", "scale"} and entry["w"].ndim == (4 if is_int8_sym(entry) else 5)) or (
-        set(entry) == {"w", "scale", "min"} and entry["w"].ndim == 4
+        set(entry) in ({"w", "scale", "min"}, {"w", "high", "scale"}) and entry["w"].ndim == 4
     )
 
 
 def _form(entry: dict) -> tuple:
     """What a packed weight's kernel is told by: its bytes per (tile, group) or row, scale dtype, a min."""
-    return entry["w"].shape[-1], entry["scale"].dtype, "min" in entry
+    return entry["w"].shape[-1], entry["scale"].dtype, "min" in entry, "high" in entry
 
 
 def fuse(params: dict) -> dict:
@@ -148,7 +177,7 @@ def fuse(params: dict) -> dict:
             parent = module[: -len(parts[0])]
             entries = [params.get(parent + part) for part in parts]
             if not all(_fusable(e) for e in entries) or len({_form(e) for e in entries}) > 1:
-                continue  # (int4, 8-bit groups and signed ones are not fused together)
+                continue  # (int4, 8-bit groups and signed 8-bit or 5-bit ones are not fused together)
             for part in parts:
                 del out[parent + part]
             if entries[0]["w"].ndim == 4:  # grouped: w, scale (and min) are all per tile [L, N/64, ...]

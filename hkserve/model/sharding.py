@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from hkserve.model import layer_loop
 from hkserve.model.config import ModelConfig
-from hkserve.model.int4 import is_int8_sym
+from hkserve.model.int4 import is_int5_sym, is_int8_sym
 from hkserve.model.memory import KVMemory
 from hkserve.model.paged_memory import PagedKVMemory
 from hkserve.model.vq_memory import VQMemory
@@ -121,8 +121,8 @@ def param_specs(params_shapes: dict, mesh: Mesh, config: ModelConfig) -> dict:
         for name, leaf in names.items():
             path = f"{module}/{name}"
             # packed for the CPU kernels, which run on a 1x1 mesh, or an int4 weight with its group scales and
-            # mins, or signed 8-bit groups (model/int4.py; not sharded yet): replicated
-            if leaf.dtype == np.uint8 or "min" in names or is_int8_sym(names):
+            # mins, or signed 8-bit or 5-bit groups (model/int4.py; not sharded yet): replicated
+            if leaf.dtype == np.uint8 or "min" in names or is_int8_sym(names) or is_int5_sym(names):
                 specs.setdefault(module, {})[name] = P(*([None] * len(leaf.shape)))
                 continue
             stacked = layer_loop.stacked_path(path)  # one layer's weight follows its stack's rule
