@@ -15,8 +15,10 @@ from hkserve.cli.main import main as hkserve_main
 
 def test_soak_sends_every_kind_of_request_and_reports_the_servers_rss_and_fds(tiny_home, monkeypatch, capsys):  # noqa: F811
     monkeypatch.setenv("HKSERVE_HOME", str(tiny_home))
-    # the server soak starts, as `hkserve bench soak` starts it, on a context the prompts fit (at most 8 + 8)
-    monkeypatch.setattr(soak, "serving", functools.partial(soak.serving, prefill_rows=1, max_len=128))
+    # the server soak starts, as `hkserve bench soak` starts it, on a context the prompts fit (at most 8 + 8):
+    # the engine shape of tests/test_serve.py's and test_sample.py's tiny runs, whose programs the run's
+    # compile cache then serves
+    monkeypatch.setattr(soak, "serving", functools.partial(soak.serving, max_len=128))
     args = ("bench", "soak", "--model", "tiny", "--seconds", "2", "--concurrency", "3", "--slots", "2")
     assert hkserve_main([*args, "--max-tokens", "8", "--json"]) == 0
     stdout = capsys.readouterr().out
