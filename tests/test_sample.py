@@ -12,6 +12,8 @@ import pytest
 from helpers import REPO, hkserve
 from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
 
+from hkserve.cli.main import main
+
 
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
@@ -105,13 +107,19 @@ def _sample_cmd(inp, out, home):
     return args, env
 
 
-def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(tmp_path, tiny_home):  # noqa: F811
+def sample_here(args: list[str], env: dict, monkeypatch) -> int:
+    """`hkserve sample` of `_sample_cmd` through the CLI's own main in this process: the tiny runs' own work
+    is a fraction of a Python and JAX start. Only the run the test kills needs a process of its own."""
+    monkeypatch.setenv("HKSERVE_HOME", env["HKSERVE_HOME"])
+    return main(args[3:])
+
+
+def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(tmp_path, tiny_home, monkeypatch):  # noqa: F811
     rows = [{"id": i, "prompt": f"In the beginning {i}"} for i in range(40)]
     rows[5]["seed"] = 99  # a line's own sampling settings override the flags
     inp = tmp_path / "in.jsonl"
     write_jsonl(inp, rows)
-    args, env = _sample_cmd(inp, tmp_path / "whole.jsonl", tiny_home)
-    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    assert sample_here(*_sample_cmd(inp, tmp_path / "whole.jsonl", tiny_home), monkeypatch) == 0
 
     out = tmp_path / "killed.jsonl"
     args, env = _sample_cmd(inp, out, tiny_home)
@@ -130,13 +138,13 @@ def test_kill_and_resume_writes_each_id_once_identical_to_an_uninterrupted_run(t
     assert len(partial) == 8, len(partial)
     with open(out, "a") as f:
         f.write('{"id": 999, "text": "torn')  # what a kill in the middle of a write would leave
-    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    assert sample_here(args, env, monkeypatch) == 0
     resumed = read_jsonl(out)
     assert [r["id"] for r in resumed] == list(range(40))
     assert resumed == read_jsonl(tmp_path / "whole.jsonl")
 
 
-def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # noqa: F811
+def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home, monkeypatch):  # noqa: F811
     rows = [
         {"id": "ok1", "prompt": "hello"},
         "{not json",
@@ -145,23 +153,10 @@ def test_bad_lines_get_an_error_and_the_rest_complete(tmp_path, tiny_home):  # n
         {"id": "ok2", "messages": [{"role": "user", "content": "hi"}]},
     ]
     write_jsonl(tmp_path / "in.jsonl", rows)
-    hkserve(
-        "sample",
-        "--model",
-        "tiny",
-        "--input",
-        str(tmp_path / "in.jsonl"),
-        "--output",
-        str(tmp_path / "out.jsonl"),
-        "--max-tokens",
-        "8",
-        "--slots",
-        "2",
-        "--max-len",
-        "128",
-        "--quiet",
-        home=tiny_home,
-    )
+    monkeypatch.setenv("HKSERVE_HOME", str(tiny_home))
+    inp, dest = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
+    flags = ["--max-tokens", "8", "--slots", "2", "--max-len", "128", "--quiet"]
+    assert main(["sample", "--model", "tiny", "--input", inp, "--output", dest, *flags]) == 0
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [o["id"] for o in out] == ["ok1", "line 2", "noprompt", "long", "ok2"]
     assert "text" in out[0] and "text" in out[4] and "error" not in out[0]
@@ -186,8 +181,8 @@ def repeated_ids_whole(tmp_path_factory, tiny_home):  # noqa: F811
     """The input with repeated ids, and the output of one uninterrupted run."""
     tmp = tmp_path_factory.mktemp("repeated")
     write_jsonl(tmp / "in.jsonl", REPEATED_IDS)
-    args, env = _sample_cmd(tmp / "in.jsonl", tmp / "whole.jsonl", tiny_home)
-    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert sample_here(*_sample_cmd(tmp / "in.jsonl", tmp / "whole.jsonl", tiny_home), monkeypatch) == 0
     whole = read_jsonl(tmp / "whole.jsonl")
     assert [o["id"] for o in whole] == ["dup", "dup", "line 8", "x0", "x1", "x2", "x3", "line 8", "last"]
     return tmp / "in.jsonl", whole
@@ -198,22 +193,19 @@ def repeated_ids_whole(tmp_path_factory, tiny_home):  # noqa: F811
     [1, 3],  # 1: the second "dup" is still to do; 3: the explicit "line 8" is written, the implicit one is not
     ids=["repeated-id", "explicit-id-equals-implicit-id"],
 )
-def test_resume_after_a_repeated_id_loses_no_line(tmp_path, tiny_home, repeated_ids_whole, written):  # noqa: F811
+def test_resume_after_a_repeated_id_loses_no_line(tmp_path, tiny_home, repeated_ids_whole, written, monkeypatch):  # noqa: F811
     inp, whole = repeated_ids_whole
     out = tmp_path / "out.jsonl"
     write_jsonl(out, whole[:written])  # what a kill after `written` lines leaves
-    args, env = _sample_cmd(inp, out, tiny_home)
-    subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
+    assert sample_here(*_sample_cmd(inp, out, tiny_home), monkeypatch) == 0
     assert read_jsonl(out) == whole
 
 
-def test_resume_refuses_an_output_of_another_input_naming_the_line(tmp_path, tiny_home):  # noqa: F811
+def test_resume_refuses_an_output_of_another_input_naming_the_line(tmp_path, tiny_home, monkeypatch, capsys):  # noqa: F811
     write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
     out = tmp_path / "out.jsonl"
     write_jsonl(out, [{"id": "a", "text": "1"}, {"id": "c", "text": "2"}])
     before = out.read_bytes()
-    args, env = _sample_cmd(tmp_path / "in.jsonl", out, tiny_home)
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 1
-    assert 'line 2 is the result for id "c", but input line 2 has id "b"' in result.stderr
+    assert sample_here(*_sample_cmd(tmp_path / "in.jsonl", out, tiny_home), monkeypatch) == 1
+    assert 'line 2 is the result for id "c", but input line 2 has id "b"' in capsys.readouterr().err
     assert out.read_bytes() == before  # nothing written over
