@@ -190,10 +190,10 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         program = self._compiled.get(key)
         if program is None:  # two threads may both make one: the same name, so the same executables
             fn, in_sh, out_sh, state_at = self._program_parts(kind, attend_len)
-            jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(state_at,))
             params_spec, state_spec = self._specs
             fixed = {state_at: state_spec} if state_at == 0 else {0: params_spec, 1: state_spec}
-            program = self._compiled[key] = Program(self.programs, key, jitted, fixed)
+            jit_options = dict(in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(state_at,))
+            program = self._compiled[key] = Program(self.programs, key, fn, fixed, **jit_options)
         return program
 
     def _program_parts(self, kind: str, attend_len: int):

@@ -83,11 +83,10 @@ class RowPrefill:
             engine = self.engine
             rep = engine._sharding()
             in_sh = (engine.param_shardings, engine.state_shardings, rep, rep, rep, rep)
-            jitted = jax.jit(
-                self._impl, in_shardings=in_sh, out_shardings=(engine.state_shardings, rep), donate_argnums=(1,)
-            )
             params_spec, state_spec = engine._specs
-            self._compiled = Program(engine.programs, ("rows", 0), jitted, {0: params_spec, 1: state_spec})
+            fixed = {0: params_spec, 1: state_spec}
+            jit_options = dict(in_shardings=in_sh, out_shardings=(engine.state_shardings, rep), donate_argnums=(1,))
+            self._compiled = Program(engine.programs, ("rows", 0), self._impl, fixed, **jit_options)
         return self._compiled
 
     def prefill(

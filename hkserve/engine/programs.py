@@ -12,6 +12,7 @@ device with the program's in_shardings and the donated arguments are donated.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
@@ -76,14 +77,22 @@ class ProgramTable:
 
 
 class Program:
-    """One jitted function and its executables in the engine's table, one per signature of its host
-    arguments (a prefill's tokens [1, bucket]: one per bucket). `fixed`: the positions of the arguments
-    that are the params and the state, with their abstract values (their signature never changes)."""
+    """One function and its executables in the engine's table, one per signature of its host arguments
+    (a prefill's tokens [1, bucket]: one per bucket). `fixed`: the positions of the arguments that are
+    the params and the state, with their abstract values (their signature never changes); `jit_options`:
+    jax.jit's (shardings, donation).
 
-    def __init__(self, table: ProgramTable, name: tuple, jitted, fixed: dict[int, Any]):
+    Each lowering jits a fresh wrapper of `fn` that nothing keeps: JAX caches a lowering (its jaxpr, its
+    MLIR module with an MLIR context of its own) in caches keyed weakly on the function jitted, so with
+    a jitted function kept for the engine's life they stayed for its life too, unused (the loop calls
+    the `Compiled` only): SmolLM2's 63 programs held 137 MiB that way. With the wrapper gone they go
+    once compiled (docs/benchmarks.md, Start-up; tests/test_program_memory.py). A partial of `fn` has
+    its name and source, so its programs and their cache keys are those of `fn` jitted itself."""
+
+    def __init__(self, table: ProgramTable, name: tuple, fn: Callable, fixed: dict[int, Any], **jit_options):
         if sorted(fixed) != list(range(len(fixed))):
             raise ValueError(f"the fixed arguments come first, not at {sorted(fixed)}")
-        self.table, self.name, self.jitted, self.fixed = table, name, jitted, fixed
+        self.table, self.name, self.fn, self.fixed, self.jit_options = table, name, fn, fixed, jit_options
         # The loop's path: each host signature's executable, found without building a table key (a
         # key costs ~10 us a call; the tiny model's whole step ~1 ms: docs/benchmarks.md).
         self._by_signature: dict[tuple, jax.stages.Compiled] = {}
@@ -107,7 +116,8 @@ class Program:
         return (*(self.fixed[i] for i in sorted(self.fixed)), *host)
 
     def _lower(self, args: tuple):
-        return self.jitted.lower(*(self.fixed.get(i, a) for i, a in enumerate(args)))
+        jitted = jax.jit(functools.partial(self.fn), **self.jit_options)  # fresh: see the class docstring
+        return jitted.lower(*(self.fixed.get(i, a) for i, a in enumerate(args)))
 
     def __call__(self, *args):
         signature = self._signature(args[len(self.fixed) :])

@@ -143,16 +143,19 @@ class SpeculativeEngine(OneShotPrefill, ForwardsQueries):
                 c = self.config
                 fn = functools.partial(verify_step, e.model, e.n_top, c.k, c.ngram_sizes, attend_len)
                 in_sh, out_sh = (e.param_shardings, e.state_shardings, ctx, rep, rep), (e.state_shardings, ctx, rep)
-                jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1, 2))
+                jit_options = dict(in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(1, 2))
                 fixed = {0: params_spec, 1: state_spec, 2: context_spec}
             elif kind == "append":
                 in_sh = (e.state_shardings, ctx, rep)
-                jitted = jax.jit(append_inputs, in_shardings=in_sh, out_shardings=ctx, donate_argnums=(1,))
+                fn, jit_options = append_inputs, dict(in_shardings=in_sh, out_shardings=ctx, donate_argnums=(1,))
                 fixed = {0: state_spec, 1: context_spec}
             else:
-                jitted = jax.jit(write_prompt, in_shardings=(ctx, rep, rep), out_shardings=ctx, donate_argnums=(0,))
+                fn, jit_options = (
+                    write_prompt,
+                    dict(in_shardings=(ctx, rep, rep), out_shardings=ctx, donate_argnums=(0,)),
+                )
                 fixed = {0: context_spec}
-            self._compiled[key] = Program(e.programs, ("speculative", *key), jitted, fixed)
+            self._compiled[key] = Program(e.programs, ("speculative", *key), fn, fixed, **jit_options)
         return self._compiled[key]
 
     def _own_calls(self) -> list[ProgramCall]:
