@@ -126,11 +126,11 @@ def main() -> None:
     ap.add_argument("--weights", default="int8,int4")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--detail", type=int, default=0, help="also list the N costliest ops (all variants)")
+    ap.add_argument("--detail", type=int, default=0, help="also list the N costliest ops (per variant)")
     args = ap.parse_args()
     store = ModelStore()
     engines = {}
