@@ -76,33 +76,39 @@ __attribute__((target("avx2,fma"))) inline __m256 group_avx2(const Q4Problem& p,
   return _mm256_fmadd_ps(_mm256_loadu_ps(q.mn + col), _mm256_set1_ps(p.xs[at]), f);
 }
 
-// Rows r0..r0+R-1 of tile t: per group, integer sums per column (16 columns a vector), then
-// group_512's float step on sums kept in memory (touched once a group: the registers hold the
-// integer sums and the activations); the rows share each weight load and its unpacking.
-template <class A, int R>
+// Rows r0..r0+R-1 of tile t, C of the tile's four 16-column quarters a pass: per group, integer sums per
+// column (16 columns a vector), then group_512's float step into float sums that stay in registers over
+// the groups (R x C of each; four rows' 4 x 4 spill: hk_w4a8 takes the tile in two halves). The
+// rows share each weight load and its unpacking. A column's arithmetic is the same instruction sequence
+// whatever R and C: a row's bits do not depend on its row group.
+template <class A, int R, int C>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_512(const Q4Problem& p, int64_t t, int64_t r0) {
   const Q4Tile tl = tile4(p, t, A::kBytes);
-  alignas(64) float acc[R][NT] = {};
-  for (int64_t g = 0; g < tl.ng; ++g) {
-    __m512i a[R][4];
+  alignas(64) float acc[R][NT];
+  for (int c0 = 0; c0 < 4; c0 += C) {
+    __m512 f[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < A::kQuads; ++j) {
-      typename A::X512 x[R];
-      for (int r = 0; r < R; ++r) x[r] = A::acts512(p, r0 + r, g, j);
-      const uint8_t* q = tl.w + g * A::kBytes + j * 256;
-      prefetch_256(q);
-      for (int c = 0; c < 4; ++c) {
-        __m512i v = _mm512_loadu_si512(q + 64 * c);
-        for (int r = 0; r < R; ++r) a[r][c] = A::dot512(a[r][c], v, x[r]);
+      for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < tl.ng; ++g) {
+      __m512i a[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_si512();
+      for (int j = 0; j < A::kQuads; ++j) {
+        typename A::X512 x[R];
+        for (int r = 0; r < R; ++r) x[r] = A::acts512(p, r0 + r, g, j);
+        const uint8_t* q = tl.w + g * A::kBytes + j * 256;
+        if (c0 == 0) prefetch_256(q);
+        for (int c = 0; c < C; ++c) {
+          __m512i v = _mm512_loadu_si512(q + 64 * (c0 + c));
+          for (int r = 0; r < R; ++r) a[r][c] = A::dot512(a[r][c], v, x[r]);
+        }
       }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+          f[r][c] = group_512(p, tl, g * NT + 16 * (c0 + c), (r0 + r) * tl.ng + g, a[r][c], f[r][c]);
     }
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) {
-        __m512 f = group_512(p, tl, g * NT + 16 * c, (r0 + r) * tl.ng + g, a[r][c], _mm512_load_ps(acc[r] + 16 * c));
-        _mm512_store_ps(acc[r] + 16 * c, f);
-      }
-    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r] + 16 * (c0 + c), f[r][c]);
   }
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
@@ -140,13 +146,15 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Q4Problem& p, int64_t t
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
-// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (4, then 2, then 1).
-template <class A>
+// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (4, then 2, then 1);
+// C4: the column quarters a pass of four rows on AVX-512 (hk_w4a8: 2, its float sums then stay in
+// registers; int16 activations: 4, their broadcasts cost more than the spilled float sums).
+template <class A, int C4 = 4>
 void run_rows(const Q4Problem& p, int64_t isa, int64_t t, int64_t r, int64_t end) {
   if (isa == 2) {
-    for (; r + 4 <= end; r += 4) rows_512<A, 4>(p, t, r);
-    for (; r + 2 <= end; r += 2) rows_512<A, 2>(p, t, r);
-    for (; r < end; ++r) rows_512<A, 1>(p, t, r);
+    for (; r + 4 <= end; r += 4) rows_512<A, 4, C4>(p, t, r);
+    for (; r + 2 <= end; r += 2) rows_512<A, 2, 4>(p, t, r);
+    for (; r < end; ++r) rows_512<A, 1, 4>(p, t, r);
   } else {
     for (; r + 4 <= end; r += 4) rows_avx2<A, 4>(p, t, r);
     for (; r + 2 <= end; r += 2) rows_avx2<A, 2>(p, t, r);

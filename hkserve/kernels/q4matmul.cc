@@ -140,7 +140,7 @@ ffi::Error q4call(const char* name, Kind kind, ffi::ThreadPool pool, ffi::Buffer
     hk::quantize_a16(x.typed_data(), p);
   run_items(pool, p, threads, [&p, kind, isa](int64_t t, int64_t r, int64_t end) {
     if (kind == Kind::w4a8)
-      hk::run_rows<A8>(p, isa, t, r, end);
+      hk::run_rows<A8, 2>(p, isa, t, r, end);
     else if (kind == Kind::w4a16)
       hk::run_rows<hk::A16>(p, isa, t, r, end);
     else
