@@ -2,8 +2,8 @@
 lengths, sampling, concurrency) submitted straight to an InferenceRunner in this process, so the
 HTTP layer's cost is the ratio of the two figures of one run.
 
-The engine is built as `hkserve serve` builds it (store weights for this backend, slots, context
-length, top logprobs), with `prefill_rows` as asked: 0 is the one-prompt-per-call prefill, so the
+The engine is built as `hkserve serve` builds it (the weights and CPU kernels serve picks by default,
+slots, context length, top logprobs), with `prefill_rows` as asked: 0 is the one-prompt-per-call prefill, so the
 same workload measures batched prefill's effect on TTFT too.
 """
 
@@ -12,19 +12,20 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from hkserve.bench.clients import run_clients
 from hkserve.bench.workload import Job
-from hkserve.checkpoint.store import ModelStore
+from hkserve.checkpoint.store import ModelStore, serving_weights
 from hkserve.engine.background_compile import Compiles
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
 from hkserve.engine.requests import Request
 from hkserve.engine.runner import InferenceRunner
+from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model
-from hkserve.model.config import default_weights, with_kv_dtype
+from hkserve.model.config import with_kv_dtype
+from hkserve.model.packing import stored_packing
 from hkserve.model.sampling import SamplingParams
 
 SERVE_N_TOP = 20  # hkserve serve's --max-logprobs default
@@ -55,29 +56,34 @@ class KVOptions(NamedTuple):
         )
 
 
+def runner_engine(model: str, slots: int, prefill_rows: int, max_len: int, kv: KVOptions) -> Engine:
+    """An engine built as `hkserve serve` builds it on one device with its default flags: the weights it
+    serves (a quantized store's own precision on a CPU), the CPU kernels `--kernels auto` resolves
+    (decode attention for float models too), int8/int4 read packed where the store keeps them so."""
+    store = ModelStore()
+    weights = serving_weights(store, model, None)
+    config = with_kv_dtype(store.config(model, weights), kv.dtype)
+    built = build_model(config, resolve("auto", config.dtype, config.memory))
+    params = store.params(model, weights=weights, packing=stored_packing(built.prepare))
+    options = EngineOptions(
+        slots=slots,
+        max_len=max_len,
+        n_top=SERVE_N_TOP,
+        prefill_rows=prefill_rows,
+        kv_layout=kv.layout,
+        kv_cache_mb=kv.cache_mb,
+        block_size=kv.block_size,
+    )
+    return Engine(built, params, options)
+
+
 def start_runner(
     model: str, slots: int, max_queue: int, prefill_rows: int, max_len: int, kv: KVOptions
 ) -> InferenceRunner:
-    """A started runner over an engine built like `hkserve serve`'s, every program compiled first as the
-    server compiles them (before and after its ready: mostly loads from the compile cache the server
-    filled), so that no compile lands inside a measured phase."""
-    store = ModelStore()
-    weights = default_weights(jax.default_backend(), None)
-    config = with_kv_dtype(store.config(model, weights), kv.dtype)
-    params = store.params(model, weights=weights)
-    engine = Engine(
-        build_model(config),
-        params,
-        EngineOptions(
-            slots=slots,
-            max_len=max_len,
-            n_top=SERVE_N_TOP,
-            prefill_rows=prefill_rows,
-            kv_layout=kv.layout,
-            kv_cache_mb=kv.cache_mb,
-            block_size=kv.block_size,
-        ),
-    )
+    """A started runner over `runner_engine`, every program compiled first as the server compiles them
+    (before and after its ready: mostly loads from the compile cache the server filled), so that no
+    compile lands inside a measured phase."""
+    engine = runner_engine(model, slots, prefill_rows, max_len, kv)
     compiles = Compiles(engine, "background")
     compiles.before_ready()
     compiles.run_pending()  # here, not on a thread: the runner starts once nothing is left

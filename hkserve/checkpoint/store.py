@@ -31,7 +31,7 @@ from hkserve.checkpoint.packed_store import kernel_packing, pack_for_store, stor
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.checkpoint.tokenizer import Tokenizer
 from hkserve.model.build import param_shapes
-from hkserve.model.config import WEIGHTS, ModelConfig
+from hkserve.model.config import WEIGHTS, ModelConfig, default_weights
 from hkserve.model.packing import STORED_LAYOUT, unpack_layers
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -240,3 +240,17 @@ class ModelStore:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return final
+
+
+def serving_weights(store: ModelStore, name: str, requested: str | None) -> str | None:
+    """--weights as given; else bf16 on an accelerator and, on a CPU, the variant the model was converted
+    to serve (a quantized GGUF's own precision, source.json "weights": int4 or int8, run by the CPU
+    kernels) or f32 (`default_weights`), for a KV model. A Transformer-VQ model keeps its stored weights
+    unless asked (it has no variants)."""
+    info = store.info(name)
+    if requested is None and info.config.memory == "vq":
+        return None
+    backend = jax.default_backend()
+    if requested is None and backend == "cpu" and info.source.get("weights"):
+        return default_weights(backend, info.source["weights"])
+    return default_weights(backend, requested)

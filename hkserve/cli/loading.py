@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 
 from hkserve.checkpoint.convert import pull
-from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore
+from hkserve.checkpoint.store import DEFAULT_MODEL, ModelStore, serving_weights
 from hkserve.cli import speculative
 from hkserve.cli.startup import StartupTimeline, tree_bytes
 from hkserve.engine.engine import Engine
@@ -21,7 +21,7 @@ from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.spec_policy import SpecConfig
 from hkserve.kernels.dispatch import add_kernels_argument, resolve
 from hkserve.model.build import build_model, param_shapes
-from hkserve.model.config import KV_DTYPES, WEIGHTS, default_weights, with_kv_dtype
+from hkserve.model.config import KV_DTYPES, WEIGHTS, with_kv_dtype
 from hkserve.model.packing import stored_packing
 from hkserve.model.sharding import param_shardings, parse_mesh
 
@@ -52,20 +52,6 @@ class LoadOptions:
         """The options from a command's parsed flags, read once: the fields it has no flag for keep their default."""
         given = vars(args)
         return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
-
-
-def serving_weights(store: ModelStore, name: str, requested: str | None) -> str | None:
-    """--weights as given; else bf16 on an accelerator and, on a CPU, the variant the model was converted
-    to serve (a quantized GGUF's own precision, source.json "weights": int4 or int8, run by the CPU
-    kernels) or f32 (`default_weights`), for a KV model. A Transformer-VQ model keeps its stored weights
-    unless asked (it has no variants)."""
-    info = store.info(name)
-    if requested is None and info.config.memory == "vq":
-        return None
-    backend = jax.default_backend()
-    if requested is None and backend == "cpu" and info.source.get("weights"):
-        return default_weights(backend, info.source["weights"])
-    return default_weights(backend, requested)
 
 
 def add_variant_arguments(p) -> None:
