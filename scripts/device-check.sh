@@ -3,9 +3,11 @@
 # about 8 minutes: the golden SmolLM2 and HTTP tests on the GPU, then `hkserve bench engine` in bf16 on a
 # random Llama 3.2 1B and on SmolLM2 at 1, 16 and 64 slots beside transformers on the same GPU, with the
 # measured HBM bandwidth and the share of it reached at batch 1, then SmolLM2's paged decode step through
-# the Pallas kernel vs XLA's gather (last: past the budget it is skipped; DEVICE_CHECK_ONLY=paged-attention
-# runs it alone). Every stage has its own time limit and a
-# failure does not stop the next; a summary ends the run. JSON (and the log) go to $OUT when it is set.
+# the Pallas kernel vs XLA's gather, int8 and int4 weights through XLA (x·W alone, then the 1B model's
+# decode in bf16, int8 and int4), and serve's cold and warm start on SmolLM2 (the last stages are skipped
+# past the budget; DEVICE_CHECK_ONLY="paged-attention quant-weights startup" runs them alone). Every stage
+# has its own time limit and a failure does not stop the next; a summary ends the run. JSON (and the log)
+# go to $OUT when it is set.
 #
 # The two-call procedure (docs/benchmarks.md, "GPU"). SmolLM2's GGUF (94 MiB) is more than one call
 # carries (64 MiB), so:
@@ -41,6 +43,9 @@ if ((DRY)); then
     PROFILE=(--slots 1,2 --max-len 128 --steps 4 --trace-steps 2)
     TESTS=(-k "models_lists or second_pull")  # the plumbing (store, fixtures, CLI), not minutes of CPU decoding
     PAGED=(--rows 1,2 --context 40 --max-len 128 --block-size 16 --steps 3 --repeats 1)
+    QUANT_DOT=(--k 256 --n 512 --layers 2 --rows 1,2 --iters 2 --repeats 1)
+    QUANT_SIZES=(--slots 1,2 --hf-batches 1 --steps 3 --repeats 1 --max-len 128 --bandwidth-mb 64 --matmul-n 256)
+    STARTUP=(--weights f32 --slots 2 --max-len 128)  # float32: bf16 programs compile slowly on a CPU
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
     RANDOM_MODEL=llama3.2-1b
@@ -49,6 +54,9 @@ else
     PROFILE=(--slots 1,64 --max-len 2048 --steps 64 --trace-steps 8)
     TESTS=()
     PAGED=(--rows 16,64 --context 1024 --max-len 2048 --block-size 32 --steps 32 --repeats 3)
+    QUANT_DOT=(--k 2048 --n 8192 --layers 16 --rows 1,16,64)
+    QUANT_SIZES=(--slots 1,64 --hf-batches 1 --steps 32 --repeats 3 --max-len 2048 --bandwidth-mb 4096)
+    STARTUP=(--weights bf16 --slots 16 --max-len 2048)  # serve's defaults on a GPU
 fi
 
 # -- the stages' bodies; each runs as `device-check.sh --run NAME ...` under `timeout` ------------------
@@ -99,6 +107,26 @@ profile() {  # where a decode step's time goes: scripts/device_profile.py
 paged_attention() {  # SmolLM2's paged decode step, Pallas kernel vs XLA's gather: scripts/device_paged_attention.py
     # (its JSON stays in $WORK, for summary.json: one call brings back 8 files)
     "$PY" scripts/device_paged_attention.py --model "$MODEL" "${PAGED[@]}" --out "$WORK/paged-attention.json"
+}
+
+quant_weights() {  # int8 and int4 weights on the device: scripts/device_quant_dot.py, then the random
+    # model's decode in bf16, int8 and int4 (`bench engine --dtype`); the JSONs stay in $WORK, for summary.json
+    "$PY" scripts/device_quant_dot.py "${QUANT_DOT[@]}" --out "$WORK/quant-dot.json"
+    local dtype rc=0
+    for dtype in bf16 int8 int4; do
+        "$PY" -m hkserve.cli.main bench engine --random "$RANDOM_MODEL" --dtype "$dtype" --json \
+            --bandwidth-method device "${QUANT_SIZES[@]}" | tee "$WORK/quant-$dtype.out"
+        ((PIPESTATUS[0] == 0)) && tail -n 1 "$WORK/quant-$dtype.out" >"$WORK/quant-$dtype.json" || rc=1
+    done
+    return "$rc"
+}
+
+startup() {  # `hkserve bench startup`: serve's start to /health 200, cold then warm, SmolLM2
+    "$PY" -m hkserve.cli.main bench startup --model "$MODEL" --warm-starts 1 "${STARTUP[@]}" --json \
+        | tee "$WORK/startup.out"
+    local rc=${PIPESTATUS[0]}
+    ((rc == 0)) && tail -n 1 "$WORK/startup.out" >"$WORK/startup.json"
+    return "$rc"
 }
 
 case ${1:-} in
@@ -182,8 +210,14 @@ if ((HAVE_SMOLLM2)); then
 else
     skip paged-attention "no SmolLM2 store"
 fi
+stage quant-weights 150 quant_weights
+if ((HAVE_SMOLLM2)); then
+    stage startup 180 startup
+else
+    skip startup "no SmolLM2 store"
+fi
 
-"$PY" scripts/device_check_report.py summary "$STAGES" "$WORK/tests.xml" "$RESULTS" "$WORK/paged-attention.json" 2>&1 | tee -a "$LOG"
+"$PY" scripts/device_check_report.py summary "$STAGES" "$WORK/tests.xml" "$RESULTS" "$WORK" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 rm -rf "$WORK"
 exit "$rc"

@@ -62,12 +62,14 @@ EOF
 }
 
 split_gguf() {  # $1: the GGUF → .dev/part1/smollm2.gguf.part1, .dev/part2/smollm2.gguf.part2, sha256 in both
-    local src=$1 sum
+    # Call 1 carries half 1 beside the working tree alone, call 2 half 2 beside the wheels: half 1 takes
+    # what call 1 can carry (less 1 MiB), so call 2 keeps room for the wheels as the tree grows.
+    local src=$1 sum first
     rm -rf "$DEV/part1" "$DEV/part2" && mkdir -p "$DEV/part1" "$DEV/part2"
     sum=$(sha256sum "$src" | cut -d' ' -f1)
-    split -n 2 -d -a 1 "$src" "$DEV/smollm2.gguf.part"
-    mv "$DEV/smollm2.gguf.part0" "$DEV/part1/smollm2.gguf.part1"
-    mv "$DEV/smollm2.gguf.part1" "$DEV/part2/smollm2.gguf.part2"
+    first=$((CALL_LIMIT - tree - 2**20))
+    head -c "$first" "$src" >"$DEV/part1/smollm2.gguf.part1"
+    tail -c +$((first + 1)) "$src" >"$DEV/part2/smollm2.gguf.part2"
     echo "$sum" >"$DEV/part1/smollm2.gguf.sha256"
     echo "$sum" >"$DEV/part2/smollm2.gguf.sha256"
     echo "SmolLM2 GGUF $(mib "$src") → $DEV/part1 $(mib "$DEV/part1"), $DEV/part2 $(mib "$DEV/part2"); sha256 $sum"
@@ -80,6 +82,7 @@ copy_fixtures() {
     echo "fixtures: $(mib "$DEV/shared") in $DEV/shared"
 }
 
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 mkdir -p "$DEV"
 ((skip_wheels)) || download_wheels
 if [[ -n $gguf ]]; then
@@ -91,7 +94,6 @@ else
 fi
 copy_fixtures
 
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 echo "working tree (tracked files): $(awk -v b="$tree" 'BEGIN {printf "%.1f MiB", b / 2^20}')"
 check_call() {  # $1: the call's name, then the paths it carries
     local name=$1 total

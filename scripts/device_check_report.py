@@ -3,9 +3,11 @@
 env OUT_JSON: the machine, the versions that matter, and whether every distribution of
     scripts/device-wheels.txt is installed with its requirements met (a carried wheel that needs a
     newer package than the machine has shows up here, not as an ImportError three stages later).
-summary STAGES_TSV TESTS_XML RESULTS_DIR [PAGED_JSON]: tests.json from pytest's JUnit XML, summary.json
-    from the stages, the benchmark JSONs and scripts/device_paged_attention.py's (Pallas vs XLA's gather),
-    and a summary on stdout. Exits 1 if a stage failed.
+summary STAGES_TSV TESTS_XML RESULTS_DIR [WORK_DIR]: tests.json from pytest's JUnit XML, summary.json
+    from the stages, the benchmark JSONs in RESULTS_DIR and those the check keeps in WORK_DIR (one call
+    brings back 8 files): scripts/device_paged_attention.py's (Pallas vs XLA's gather), stage
+    quant-weights' (scripts/device_quant_dot.py's and `bench engine` in bf16, int8 and int4) and stage
+    startup's (`bench startup`); and a summary on stdout. Exits 1 if a stage failed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from packaging.requirements import Requirement
 WHEELS = Path(__file__).with_name("device-wheels.txt")
 MODULES = ("haiku", "gguf", "fastapi", "uvicorn", "openai", "jsonschema", "hkserve.api.app", "hkserve.bench.cli")
 BENCHES = ("bench-llama-1b", "bench-smollm2")
+QUANT_DTYPES = ("bf16", "int8", "int4")
 
 
 def wanted_distributions() -> list[str]:
@@ -158,7 +161,11 @@ def bench_summary(report: dict) -> dict:
     }
 
 
-def summary(stages_tsv: Path, junit: Path, results: Path, paged_json: Path | None = None) -> int:
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def summary(stages_tsv: Path, junit: Path, results: Path, work: Path | None = None) -> int:
     stages = read_stages(stages_tsv)
     tests = read_tests(junit)
     if tests is not None:
@@ -168,11 +175,28 @@ def summary(stages_tsv: Path, junit: Path, results: Path, paged_json: Path | Non
         for name in BENCHES
         if (results / f"{name}.json").is_file()
     }
-    profile = json.loads((results / "profile.json").read_text()) if (results / "profile.json").is_file() else None
-    paged = json.loads(paged_json.read_text()) if paged_json is not None and paged_json.is_file() else None
+    profile = _json(results / "profile.json")
+    work = work or Path("/nonexistent")
+    paged = _json(work / "paged-attention.json")
+    quant_engine = {d: bench_summary(r) for d in QUANT_DTYPES if (r := _json(work / f"quant-{d}.json")) is not None}
+    quant = (
+        {"dot": _json(work / "quant-dot.json"), "engine": quant_engine}
+        if quant_engine or (work / "quant-dot.json").is_file()
+        else None
+    )
+    startup = _json(work / "startup.json")
     (results / "summary.json").write_text(
         json.dumps(
-            {"stages": stages, "tests": tests, "bench": benches, "profile": profile, "paged_attention": paged}, indent=2
+            {
+                "stages": stages,
+                "tests": tests,
+                "bench": benches,
+                "profile": profile,
+                "paged_attention": paged,
+                "quant": quant,
+                "startup": startup,
+            },
+            indent=2,
         )
     )
 
@@ -198,6 +222,10 @@ def summary(stages_tsv: Path, junit: Path, results: Path, paged_json: Path | Non
         print_profile(profile)
     if paged is not None:
         print_paged(paged)
+    if quant is not None:
+        print_quant(quant)
+    if startup is not None:
+        print_startup(startup)
     return 1 if any(s["status"] in ("failed", "timed out") for s in stages) else 0
 
 
@@ -230,6 +258,33 @@ def print_paged(paged: dict) -> None:
             f"  {rows:>3} rows: XLA gather {r['xla_ms']:.3f} ms, Pallas {r['pallas_ms']:.3f} ms, "
             f"XLA / Pallas {r['xla_over_pallas']:.2f}x; first step's logits differ by {r['max_abs_logit_diff']:.3g}, "
             f"greedy tokens {'equal' if r['greedy_equal'] else 'DIFFER'}"
+        )
+
+
+def print_quant(quant: dict) -> None:
+    """Stage quant-weights: each formulation's ms per matrix, then the random model's tok/s per dtype."""
+    dot = quant["dot"]
+    if dot is not None:
+        print(f"quantized x·W on {dot['device']}: {dot['layers']} matrices [{dot['k']}, {dot['n']}], ms a matrix")
+        for name, f in dot["forms"].items():
+            if "error" in f:
+                print(f"  {name}: FAILED {f['error']}")
+                continue
+            rows = ", ".join(f"{n} rows {r['ms_per_matrix']:.4f} ({r['gb_s']:.0f} GB/s)" for n, r in f["rows"].items())
+            print(f"  {name:<30} {rows}; error {f['error_vs_float32']:.1e}")
+    for b in quant["engine"].values():
+        tok_s = ", ".join(f"{n} slots {t:.1f}" for n, t in b["hkserve_tok_s"].items())
+        print(f"  {b['model']} {b['dtype']}: {tok_s} tok/s")
+
+
+def print_startup(startup: dict) -> None:
+    print(f"startup: {startup['model']}, {startup['slots']} slots, max-len {startup['max_len']}")
+    for r in startup["runs"]:
+        c = r["compiles"]
+        print(
+            f"  {r['weights']} {r['start']}: ready {r['ready_s_client']:.1f} s, all compiled {r['compiled_s']:.1f} s, "
+            f"programs {c['programs']}, cache hits {c['cache_hits']}, misses {c['cache_misses']}; "
+            f"RSS {r['rss_mib_client']:.0f} MiB"
         )
 
 

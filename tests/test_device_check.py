@@ -23,6 +23,8 @@ STAGES = (
     "profile-llama-1b",
     "bench-smollm2",
     "paged-attention",
+    "quant-weights",
+    "startup",
 )
 
 
@@ -82,6 +84,17 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     assert paged["kernel"] == "interpret" and paged["kernel_used"] and set(paged["rows"]) == {"1", "2"}
     assert all(r["greedy_equal"] and r["pallas_ms"] > 0 and r["xla_ms"] > 0 for r in paged["rows"].values())
     assert "paged decode step:" in result.stdout and "XLA / Pallas" in result.stdout
+    quant = summary["quant"]  # int8 / int4 weights through XLA: each formulation, and the model per dtype
+    assert set(quant["engine"]) == {"bf16", "int8", "int4"}
+    assert [quant["engine"][d]["dtype"] for d in ("bf16", "int8", "int4")] == ["bfloat16", "int8", "int4"]
+    assert all(set(b["hkserve_tok_s"]) == {"1", "2"} for b in quant["engine"].values())
+    forms = quant["dot"]["forms"]
+    assert len(forms) == 6 and all("error" not in f and set(f["rows"]) == {"1", "2"} for f in forms.values())
+    assert all(f["error_vs_float32"] < 0.2 for f in forms.values()), forms  # a wrong nibble order gives ~1
+    assert "quantized x·W on cpu" in result.stdout
+    startup = summary["startup"]  # serve to /health 200, cold then warm
+    assert [(r["weights"], r["start"]) for r in startup["runs"]] == [("f32", "cold"), ("f32", "warm")]
+    assert startup["runs"][1]["compiles"]["cache_misses"] == 0
 
     # A fresh machine (part 1 gone) with almost no time left: every stage says why it did not run.
     run(
@@ -91,8 +104,13 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     notes = {s["stage"]: (s["status"], s["note"]) for s in json.loads((out / "summary.json").read_text())["stages"]}
     assert notes["setup"] == notes["bench-llama-1b"] == notes["profile-llama-1b"] == ("skipped", "out of time")
     assert notes["convert-smollm2"][0] == "skipped" and "halves are not both here" in notes["convert-smollm2"][1]
+    assert notes["quant-weights"] == ("skipped", "out of time")
     assert (
-        notes["golden-tests"] == notes["bench-smollm2"] == notes["paged-attention"] == ("skipped", "no SmolLM2 store")
+        notes["golden-tests"]
+        == notes["bench-smollm2"]
+        == notes["paged-attention"]
+        == notes["startup"]
+        == ("skipped", "no SmolLM2 store")
     )
 
 

@@ -116,6 +116,13 @@ def test_dispatch_chooses_by_env_and_falls_back_with_a_log_line(monkeypatch, cap
     monkeypatch.setenv(KERNEL_ENV, "triton")
     with pytest.raises(ValueError, match="must be one of"):
         decode_kernel(config, memory)
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # auto on one GPU: the kernel
+    assert decode_kernel(config, memory) == "pallas"
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    with caplog.at_level(logging.WARNING, "hkserve.model"):
+        assert decode_kernel(config, memory) is None  # ... and the gather on a mesh
+    assert "a mesh of 2 devices" in caplog.text
 
 
 def _decode_logits(config, params, env: str, monkeypatch, layers: str = "scan") -> list[np.ndarray]:

@@ -112,7 +112,8 @@ def cmd_bench_engine(args) -> int:
     matmul_dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
     matmul_n = args.matmul_n or (2048 if backend == "cpu" else 8192)
     flops = measure_matmul(matmul_n, matmul_dtype)
-    weight_bytes = weights_per_token(config) * np.dtype(config.dtype).itemsize
+    # int4: a nibble and a float32 scale and min per 32 weights (0.75 bytes; its int8 embeddings counted so too)
+    weight_bytes = weights_per_token(config) * (0.75 if config.dtype == "int4" else np.dtype(config.dtype).itemsize)
     bandwidth_tok_s = bandwidth / weight_bytes  # batch 1: every step streams all weights
     compute_tok_s = flops / (2 * weights_per_token(config))  # any batch: 2 FLOPs per weight per token
 

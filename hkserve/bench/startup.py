@@ -92,19 +92,26 @@ def _logged(lines: queue.SimpleQueue, marker: str, within: float) -> dict:
             return json.loads(line.split(marker, 1)[1])
 
 
-def _one_chat(port: int, model: str) -> None:
-    """One short greedy chat request (16 tokens), as llama_rss.py's probe sends llama.cpp."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
-    body["temperature"] = 0
+def _post(port: int, path: str, body: dict) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"the chat request failed: {response.status} {response.read()[:500]!r}")
-        response.read()
+        return response.status, response.read()
     finally:
         conn.close()
+
+
+def _one_chat(port: int, model: str) -> None:
+    """One short greedy chat request (16 tokens), as llama_rss.py's probe sends llama.cpp; a model without
+    a chat template (a base model) gets the same prompt as a completion."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
+    status, reply = _post(port, "/v1/chat/completions", body)
+    if status == 400 and b"no chat template" in reply:
+        del body["messages"]
+        status, reply = _post(port, "/v1/completions", {**body, "prompt": "Say hello."})
+    if status != 200:
+        raise RuntimeError(f"the request failed: {status} {reply[:500]!r}")
 
 
 def start_once(args, weights: str, cache: str) -> dict:
@@ -129,6 +136,11 @@ def start_once(args, weights: str, cache: str) -> dict:
         record = _logged(lines, STARTUP_LINE, within=60)
         record["ready_s_client"] = round(ready_s, 3)
         record["rss_mib_client"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        split = ", ".join(f"{k} {v:.1f}" for k, v in record["seconds"].items())
+        print(
+            f"{weights}: ready after {ready_s:.1f} s ({split}); waiting for the programs left for after ready",
+            flush=True,
+        )
         record["compiled_s"] = _logged(lines, COMPILED_LINE, within=args.ready_within)["finished_s"]
         record["rss_mib_compiled"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         _one_chat(port, args.model)

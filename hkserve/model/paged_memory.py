@@ -89,17 +89,16 @@ def decode_kernel(config: ModelConfig, memory: PagedKVMemory) -> str | None:
     """How a paged decode step (one token per row) reads its past when the CPU kernels do not:
     "pallas" (paged_pallas.py under Triton), "interpret" (the same kernel in Pallas's interpreter: the
     tests' way on a CPU) or None, XLA's gather (read_past). HKSERVE_PAGED_ATTENTION=auto|pallas|xla|
-    interpret chooses, read when the step is traced. auto is the gather on every backend until the
-    device check (scripts/device-check.sh, stage paged-attention) has compiled and timed the kernel on a
-    GPU: it has only been lowered for CUDA and run interpreted, and a Triton failure would stop serving.
-    A pool the kernel cannot read, or more than one GPU (the kernel has no sharding rule), falls back
-    to the gather with a log line."""
+    interpret chooses, read when the step is traced. auto is the kernel on a GPU (on an H200 it compiled
+    under Triton, gave the gather's logits and greedy tokens, and took 4-7% off SmolLM2's paged step at
+    16 and 64 rows: docs/benchmarks.md) and the gather elsewhere. A pool the kernel cannot read, or more
+    than one GPU (the kernel has no sharding rule), falls back to the gather with a log line."""
     choice = os.environ.get(KERNEL_ENV, "auto")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     backend = jax.default_backend()
     if choice == "auto":
-        choice = "xla"
+        choice = "pallas" if backend == "gpu" else "xla"
     if choice == "xla":
         return None
     if choice == "pallas" and backend != "gpu":
