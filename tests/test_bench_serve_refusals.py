@@ -5,6 +5,7 @@ clients survive a 429 too. (The run once died on the first 429: `resp.raise_for_
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import httpx
@@ -188,6 +189,57 @@ def test_long_prompts_refused_with_429_are_counted_and_the_phase_completes(serve
     assert figures["long_prompts"] >= 1 and figures["long_prompts_served"] == 0
     assert figures["long_errors_by_status"] == {"429": figures["long_prompts"]}
     assert figures["served"] == 2 and figures["errors_by_status"] == {}  # the measured clients' own
+
+
+# a connection that gives no answer, or breaks off inside a stream (a raw socket server, no sleeps)
+
+
+class RawServer:
+    """Answers each connection's request with `reply` bytes, then closes it: a server that drops a
+    keep-alive connection under a request (b""), or one whose stream breaks off after its head."""
+
+    def __init__(self, reply: bytes):
+        self.reply, self.sock = reply, socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = int(
+                    next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")).split(b":")[1]
+                )
+                while len(body) < length:
+                    body += conn.recv(65536)
+                conn.sendall(self.reply)
+
+
+BROKEN_STREAM = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"2a\r\n" + b'data: {"choices": [{"text": "a"}]}\n\n'.ljust(42) + b"\r\n"
+)  # one chunk of 42 bytes, then the connection closes without the last chunk
+
+
+@pytest.mark.parametrize(
+    ("reply", "refusals", "waits"),
+    [(b"", ("connection_error",) * 3, [0.5, 1.0]), (BROKEN_STREAM, ("stream_error",), [])],
+)
+def test_no_answer_is_retried_with_backoff_and_a_broken_stream_is_not(reply, refusals, waits):
+    server = RawServer(reply)
+    body = completion_body("fake", Job([1, 2], [1, 2], 4), 0)
+    with httpx.Client(timeout=60) as client:
+        recorded = Waits()
+        outcome = with_retries(lambda: attempt(client, server.url, body), recorded, retries=2)
+    server.sock.close()
+    assert outcome.refusals == refusals and not outcome.served and recorded == waits
 
 
 # the in-process runner's side refuses as the server would

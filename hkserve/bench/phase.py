@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hkserve.bench.arrivals import long_prompts
-from hkserve.bench.refusals import RETRIED, RETRIES, Outcome
+from hkserve.bench.refusals import REJECTED, RETRIES, Outcome
 from hkserve.bench.watch import Figures, Watcher
 
 
@@ -78,7 +78,7 @@ def summarize(results: list[Outcome], wall: float, figures: Figures, longs: list
         "preemptions": figures.preemptions,
         "long_prompts": len(longs),
         "served": len(served),
-        "rejected": refusals[RETRIED],
+        "rejected": refusals[REJECTED],
         "errors_by_status": dict(sorted(refusals.items())),
         "long_prompts_served": sum(r.served for r in longs),
         "long_errors_by_status": dict(sorted(Counter(s for r in longs for s in r.refusals).items())),

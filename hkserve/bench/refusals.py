@@ -1,12 +1,13 @@
 """What a `bench serve` client does when a request is refused, the same on the HTTP side and the in-process
 runner's, so that a run against an overloaded server completes and says how often it was told no.
 
-As the OpenAI Python SDK does by default: a 429 is tried again, up to `retries` times (default RETRIES),
-after the Retry-After seconds the answer carries when 0 <= Retry-After <= 60 (hkserve sends 1 with each
-429: a full admission queue, api/protocol.py's domain_error), else after 0.5 x 2^n seconds, at most 8 (n:
-the retries so far). Any other refusal (another non-2xx answer, or an error event inside a 200 stream,
-STREAM_ERROR) is not retried: a benchmark shows a failure rather than paper over it. Every refused attempt
-is counted by its status, and no retry begins once the phase has stopped (`wait` returns True).
+As the OpenAI Python SDK does by default: a 429, or no answer at all (CONNECTION_ERROR), is tried again,
+up to `retries` times (default RETRIES), after the Retry-After seconds the answer carries when 0 <=
+Retry-After <= 60 (hkserve sends 1 with each 429: a full admission queue, api/protocol.py's domain_error),
+else after 0.5 x 2^n seconds, at most 8 (n: the retries so far). Any other refusal (another non-2xx
+answer, or a stream that failed after its head, STREAM_ERROR) is not retried: a benchmark shows a failure
+rather than paper over it. Every refused attempt is counted by its status, and no retry begins once the
+phase has stopped (`wait` returns True).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 RETRIES = 2  # the OpenAI Python SDK's default max_retries
-RETRIED = "429"  # the one status a client retries: "try again later"
-STREAM_ERROR = "stream_error"  # the status counted for an error event inside a 200 stream
+REJECTED = "429"  # "try again later": the server's refusal of a request it has no room for
+CONNECTION_ERROR = "connection_error"  # counted for an attempt that got no answer (the connection failed)
+RETRIED = frozenset({REJECTED, CONNECTION_ERROR})  # what a client sends again
+STREAM_ERROR = "stream_error"  # counted for a 200 stream that failed: an error event, or a broken connection
 MAX_RETRY_AFTER = 60.0  # seconds: a longer (or unparsable) Retry-After falls back to the backoff
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
 
@@ -65,7 +68,7 @@ def delay(after: float | None, retries_so_far: int) -> float:
 
 
 def with_retries(attempt: Callable[[], Outcome], wait: Callable[[float], bool], retries: int = RETRIES) -> Outcome:
-    """attempt() until it is served, refused with other than 429, refused 1 + `retries` times, or `wait(s)`
+    """attempt() until it is served, refused with a status not RETRIED, refused 1 + `retries` times, or `wait(s)`
     (a threading.Event's wait: True once the phase has stopped) ends the waiting → the request's Outcome."""
     refusals: list[str] = []
     while True:
@@ -73,5 +76,5 @@ def with_retries(attempt: Callable[[], Outcome], wait: Callable[[float], bool], 
             return attempt()._replace(refusals=tuple(refusals))
         except Refused as e:
             refusals.append(e.status)
-            if e.status != RETRIED or len(refusals) > retries or wait(delay(e.retry_after, len(refusals) - 1)):
+            if e.status not in RETRIED or len(refusals) > retries or wait(delay(e.retry_after, len(refusals) - 1)):
                 return UNSERVED._replace(refusals=tuple(refusals))

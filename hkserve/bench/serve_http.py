@@ -9,9 +9,11 @@ import time
 
 from hkserve.bench.clients import run_clients
 from hkserve.bench.phase import Load, measure
-from hkserve.bench.refusals import STREAM_ERROR, Outcome, Refused, retry_after, streamed, with_retries
+from hkserve.bench.refusals import CONNECTION_ERROR, STREAM_ERROR, Outcome, Refused, retry_after, streamed, with_retries
 from hkserve.bench.watch import scrape
 from hkserve.bench.workload import LONG_SEED, Job, LongPrompts
+
+KEEPALIVE_S = 1.0  # an idle connection's life in the client's pool: under the server's keep_alive_s (api/limits.py)
 
 
 def completion_body(model: str, job: Job, seed: int) -> dict:
@@ -29,11 +31,18 @@ def completion_body(model: str, job: Job, seed: int) -> dict:
 
 
 def attempt(client, url: str, body: dict) -> Outcome:
-    """One streamed POST of `body` to url/v1/completions → its Outcome. Refused on a non-2xx answer
-    (with its Retry-After) or on an error event inside the stream."""
+    """One streamed POST of `body` to url/v1/completions → its Outcome. Refused on a non-2xx answer (with
+    its Retry-After), on no answer at all (CONNECTION_ERROR: a keep-alive connection the server had just
+    closed, or a server gone), or on an error event or a broken connection inside the stream."""
+    import httpx
+
     start = time.perf_counter()
+    try:
+        resp = client.send(client.build_request("POST", url + "/v1/completions", json=body), stream=True)
+    except httpx.TransportError as e:
+        raise Refused(CONNECTION_ERROR) from e
     arrivals, tokens = [], 0
-    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    try:
         if not resp.is_success:
             resp.read()
             raise Refused(str(resp.status_code), retry_after(resp.headers.get("retry-after")))
@@ -47,6 +56,10 @@ def attempt(client, url: str, body: dict) -> Outcome:
                 arrivals.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+    except httpx.TransportError as e:  # the stream broke off after its head: the reply failed
+        raise Refused(STREAM_ERROR) from e
+    finally:
+        resp.close()
     return streamed(start, arrivals, tokens)
 
 
@@ -57,8 +70,12 @@ def http_phase(url: str, model: str, load: Load, jobs: list[Job], long: LongProm
     context), which 16 clients starting at once took from the server's first prefill and counted as TTFT."""
     import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
 
-    # no cap on connections: long prompts in flight together each get one at once, as open-loop arrivals
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.concurrency + 1)
+    # No cap on connections: long prompts in flight together each get one at once, as open-loop arrivals.
+    # No cap on idle ones: httpcore 1.0.9's pool closes a surplus idle connection even when it has just
+    # handed it to a waiting thread (encode/httpcore#1110), which hundreds of refused long prompts made
+    # happen here (httpx.ReadError: Bad file descriptor). Idle ones expire well before the server's
+    # keep-alive (5 s) would close them under a request (a CONNECTION_ERROR, retried, if it still does).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
     with httpx.Client(timeout=600, limits=limits) as client:
 
         def one(job: Job, seed: int, stop) -> Outcome:
