@@ -80,9 +80,11 @@ def add_arguments(p) -> None:
         "--retries",
         type=_count,
         default=RETRIES,
-        help="a request answered 429 is sent again up to N times, after the answer's Retry-After seconds (hkserve "
-        "sends 1) or else 0.5 x 2^n s, as the OpenAI Python SDK does; other non-2xx answers are not retried. Every "
-        "refusal is counted by status (rejected, errors_by_status) and the served requests measured",
+        metavar="N",
+        help="a request answered 429 (or not answered: connection_error) is sent again up to N times, after the "
+        "answer's Retry-After seconds (hkserve sends 1) or else 0.5 x 2^n s, as the OpenAI Python SDK does; other "
+        "non-2xx answers and failed streams are not retried. Every refusal is counted by status (rejected, "
+        "errors_by_status) and the served requests measured",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="--lengths fixed: every reply's length")
     p.add_argument(

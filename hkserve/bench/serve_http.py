@@ -1,6 +1,6 @@
 """The HTTP side of `hkserve bench serve`: streaming completion requests from client threads, over one
-httpx client, to the server it started; a refused request is counted and a 429 retried as
-bench/refusals.py says, so an overloaded server's phase completes."""
+httpx client, to the server it started; a refused request is counted and a 429 (or an attempt that got
+no answer) retried as bench/refusals.py says, so an overloaded server's phase completes."""
 
 from __future__ import annotations
 
