@@ -13,7 +13,7 @@ import pytest
 from hkserve.bench.clients import run_clients
 from hkserve.bench.phase import measure, medians, summarize
 from hkserve.bench.refusals import Outcome
-from hkserve.bench.serve import _line, _measure, _requests
+from hkserve.bench.serve import _line, _measure, _ratios, _requests
 from hkserve.bench.watch import Figures, Sample
 from hkserve.cli.main import build_parser
 
@@ -69,6 +69,10 @@ def test_a_row_with_nothing_served_prints_and_counts_by_status_sum_over_runs():
     assert row["ttft_p50_ms"] is None and row["ttft_p50_ms_spread"] == [15.0, 15.0] and row["out_tok_s"] == 3.0
     assert "TTFT p50       - ms" in _line("http", 16, medians([refused])) and "rejected 3" in _line("http", 16, refused)
     assert medians([refused])["out_tok_s_spread"] == [0.0, 0.0] and medians([refused])["ttft_p50_ms_spread"] is None
+    report = {"1": medians([served]), "runner": {"1": medians([refused])}}  # the runner side served nothing
+    assert _ratios(args_of(), [1], report) == {"http_over_runner_out_tok_s_1": None}  # no ratio, no crash
+    report["runner"]["1"] = medians([served, served])
+    assert _ratios(args_of(), [1], report) == {"http_over_runner_out_tok_s_1": 1.0}
 
 
 def test_duration_bounds_a_phase_and_requests_default_to_none_with_it():
