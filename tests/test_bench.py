@@ -18,7 +18,10 @@ from http_helpers import FakeRunner, LiveServer
 
 from hkserve.api.app import create_app
 from hkserve.bench.arrivals import arrivals
-from hkserve.bench.serve import _median, http_phase, measure, server_flags, server_slots
+from hkserve.bench.phase import Load, measure, medians
+from hkserve.bench.refusals import Outcome
+from hkserve.bench.serve import server_flags, server_slots
+from hkserve.bench.serve_http import http_phase
 from hkserve.bench.serve_runner import KVOptions
 from hkserve.bench.watch import Figures, Sample, parse, watch
 from hkserve.bench.workload import CHAT_SEED, LongPrompts, chat_jobs, chat_lengths
@@ -197,22 +200,20 @@ def test_a_late_long_prompt_does_not_shift_the_schedule():
 def test_long_prompts_are_counted_apart_from_the_measured_clients():
     sent = threading.Event()
 
-    def clients():  # the measured phase lasts until a long prompt has been sent
+    def clients(stop):  # the measured phase lasts until a long prompt has been sent
         assert sent.wait(60)
-        return [{"ttft": 0.01, "itl": [0.02, 0.04], "tokens": 3}], 2.0
+        return [Outcome(0.01, [0.02, 0.04], 3)], 2.0
 
-    def long_one(k):
+    def long_one(k, stop):
         sent.set()
-        return {"ttft": 9.0, "itl": [9.0], "tokens": 1000}
+        return Outcome(9.0, [9.0], 1000)
 
     figures = measure(clients, lambda: Sample(1, None), 0.001, long_one)
     assert figures["long_prompts"] >= 1
     assert figures["out_tok_s"] == 1.5 and figures["ttft_p50_ms"] == pytest.approx(10.0)  # the clients' alone
     assert figures["itl_p99_ms"] <= 40.0
     assert (
-        measure(lambda: ([{"ttft": 0.01, "itl": [], "tokens": 1}], 1.0), lambda: Sample(1, None), None, long_one)[
-            "long_prompts"
-        ]
+        measure(lambda stop: ([Outcome(0.01, [], 1)], 1.0), lambda: Sample(1, None), None, long_one)["long_prompts"]
         == 0
     )
 
@@ -272,6 +273,7 @@ class ScrapedRunner(FakeRunner):
 
 SERVE_KEYS = {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "out_tok_s"}  # before issue 34
 SERVE_KEYS |= {"out_tok_s_spread", "ttft_p50_ms_spread", "peak_running", "preemptions", "long_prompts"}
+SERVE_KEYS |= {"served", "rejected", "errors_by_status", "long_prompts_served", "long_errors_by_status"}  # refusals
 
 
 def test_http_phase_reports_every_key_with_the_peak_read_from_metrics(smollm2_home):
@@ -281,7 +283,7 @@ def test_http_phase_reports_every_key_with_the_peak_read_from_metrics(smollm2_ho
     jobs = chat_jobs(5, tokenizer.encode(" and so on, the end"), 256)
     phase: list[dict] = []
     try:
-        thread = threading.Thread(target=lambda: phase.append(http_phase(server.url, "fake", 3, 5, jobs)))
+        thread = threading.Thread(target=lambda: phase.append(http_phase(server.url, "fake", Load(3, 5), jobs)))
         thread.start()
         # every client's request held by the runner, and a scrape that read them all: then let them go
         assert runner.wait_until(lambda: 3 in runner.scraped)
@@ -291,9 +293,10 @@ def test_http_phase_reports_every_key_with_the_peak_read_from_metrics(smollm2_ho
     finally:
         runner.go.set()
         server.stop()
-    report = _median(phase)
+    report = medians(phase)
     assert set(report) == SERVE_KEYS
     assert report["peak_running"] == 3 and report["long_prompts"] == 0
+    assert report["served"] == 5 and report["rejected"] == 0 and report["errors_by_status"] == {}
     assert report["preemptions"] == (0 if exported else None)  # read when the server has the counter
     sent = sorted((r.prompt_ids, r.max_tokens, r.sampling.seed) for r in runner.submitted)
     assert sent == sorted((j.ids, j.max_tokens, i) for i, j in enumerate(jobs))  # request i: job i, seed i

@@ -10,6 +10,10 @@ so figures compare with the engine benchmark's fixed-length decode, or drawn fro
 distribution with --lengths chat (bench/workload.py). With --long-prompt-every S, a long prompt
 arrives every S seconds beside the measured clients (bench/arrivals.py), its tokens not counted.
 
+An overloaded server's refusals are counted, not fatal: a 429 is retried as a real client would
+(bench/refusals.py) and the served requests measured (bench/phase.py). Each run's row goes to stderr
+as it ends, and --duration-s bounds a run's time, so a long run shows what it had when cut short.
+
 The clients are threads with their own HTTP connections, in this process; the server is a separate
 process, as in deployment, so client overhead does not steal the engine's interpreter.
 """
@@ -26,16 +30,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-from hkserve.bench.arrivals import long_prompts
-from hkserve.bench.clients import run_clients
-from hkserve.bench.watch import Figures, Sample, Watcher, scrape
+from hkserve.bench.phase import Load, medians
+from hkserve.bench.refusals import RETRIES
+from hkserve.bench.serve_http import http_phase
 from hkserve.bench.workload import PROMPTS, Job, LongPrompts, chat_jobs, distribution, fixed_jobs
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 from hkserve.model.config import KV_DTYPES
-
-LONG_SEED = 10_000  # the k-th long prompt's sampling seed is LONG_SEED + k
 
 
 def _seconds(text: str) -> float:
@@ -48,10 +48,44 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count of 0 or more, got {text!r}")
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--concurrency", default="1,8,16", help="comma list of simultaneous streaming clients")
-    p.add_argument("--requests", type=int, default=0, help="requests per concurrency (default: 3 x concurrency, >= 4)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per run of a side at each concurrency (default: 3 x concurrency, >= 4; with --duration-s: "
+        "no count)",
+    )
+    p.add_argument(
+        "--duration-s",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="bound each run: no request (or retry) begins S seconds after it started, those under way finish; "
+        "with --requests, whichever comes first. A run at c clients takes ~S s plus its longest request",
+    )
+    p.add_argument(
+        "--retries",
+        type=_count,
+        default=RETRIES,
+        metavar="N",
+        help="a request answered 429 (or not answered: connection_error) is sent again up to N times, after the "
+        "answer's Retry-After seconds (hkserve sends 1) or else 0.5 x 2^n s, as the OpenAI Python SDK does; other "
+        "non-2xx answers and failed streams are not retried. Every refusal is counted by status (rejected, "
+        "errors_by_status) and the served requests measured",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="--lengths fixed: every reply's length")
     p.add_argument(
         "--lengths",
@@ -150,101 +184,23 @@ def serving(
         server.wait(60)
 
 
-def _one_request(client, url: str, model: str, job: Job, seed: int) -> dict:
-    body = {
-        "model": model,
-        "prompt": job.prompt,
-        "max_tokens": job.max_tokens,
-        "temperature": 0.8,
-        "seed": seed,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-    start = time.perf_counter()
-    arrivals, tokens = [], 0
-    with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft": arrivals[0] - start if arrivals else float("nan"), "itl": list(np.diff(arrivals)), "tokens": tokens}
-
-
-def http_phase(
-    url: str,
-    model: str,
-    concurrency: int,
-    requests: int,
-    jobs: list[Job],
-    long: LongPrompts | None = None,
-    every: float | None = None,
-) -> dict:
-    """`concurrency` streaming clients send `requests` (request i: jobs[i % len(jobs)], seed i), with
-    a new `long()` every `every` seconds beside them → summarize's figures. One client object for the phase,
-    as an OpenAI SDK client holds one: a fresh `httpx.Client` per request costs ~35 ms of CPU (its SSL
-    context), which 16 clients starting at once took from the server's first prefill and counted as TTFT."""
-    import httpx  # the HTTP client of the test extra, kept out of the import path of a server install
-
-    # no cap on connections: long prompts in flight together each get one at once, as open-loop arrivals
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency + 1)
-    with httpx.Client(timeout=600, limits=limits) as client:
-        return measure(
-            lambda: run_clients(
-                concurrency, requests, lambda i: _one_request(client, url, model, jobs[i % len(jobs)], seed=i)
-            ),
-            lambda: scrape(url),
-            every,
-            lambda k: _one_request(client, url, model, long(), seed=LONG_SEED + k),
-        )
-
-
-def measure(clients, read, every: float | None, long_one) -> dict:
-    """clients() → (results, wall) while a Watcher samples read() and long_one(k) arrives every `every`
-    seconds → summarize's figures."""
-    with Watcher(read) as watcher, long_prompts(every, long_one) as longs:
-        results, wall = clients()
-    return summarize(results, wall, watcher.figures, longs)
-
-
-def summarize(results: list[dict], wall: float, figures: Figures, longs: list[dict] = ()) -> dict:
-    """The measured clients' figures (the long prompts' `longs` only counted, never mixed in)."""
-    ttft = [r["ttft"] * 1e3 for r in results]
-    itl = [x * 1e3 for r in results for x in r["itl"]] or [float("nan")]
-    return {
-        "ttft_p50_ms": float(np.nanpercentile(ttft, 50)),
-        "ttft_p99_ms": float(np.nanpercentile(ttft, 99)),
-        "itl_p50_ms": float(np.percentile(itl, 50)),
-        "itl_p99_ms": float(np.percentile(itl, 99)),
-        "out_tok_s": sum(r["tokens"] for r in results) / wall,
-        "peak_running": figures.peak_running,
-        "preemptions": figures.preemptions,
-        "long_prompts": len(longs),
-    }
-
-
-def _median(runs: list[dict]) -> dict:
-    """Each figure's median over the runs (None where a run has none), with out_tok_s and ttft_p50_ms's
-    spread (min, max)."""
-    out = {}
-    for k in runs[0]:
-        values = [r[k] for r in runs]
-        out[k] = None if None in values else float(np.median(values))
-    for k in ("out_tok_s", "ttft_p50_ms"):
-        out[k + "_spread"] = [min(r[k] for r in runs), max(r[k] for r in runs)]
-    return out
+def _ms(value: float | None, width: int) -> str:
+    return f"{value:{width}.1f} ms" if value is not None else f"{'-':>{width}} ms"
 
 
 def _line(name: str, c: int, r: dict) -> str:
+    """A side's figures at one concurrency as a table row."""
     return (
-        f"{name:<16} concurrency {c:>3}: {r['out_tok_s']:8.1f} out tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms "
-        f"p99 {r['ttft_p99_ms']:7.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} ms p99 {r['itl_p99_ms']:6.1f} ms"
+        f"{name:<16} concurrency {c:>3}: {r['out_tok_s']:8.1f} out tok/s  TTFT p50 {_ms(r['ttft_p50_ms'], 7)} "
+        f"p99 {_ms(r['ttft_p99_ms'], 7)}  ITL p50 {_ms(r['itl_p50_ms'], 6)} p99 {_ms(r['itl_p99_ms'], 6)}  "
+        f"served {r['served']:.0f} rejected {r['rejected']:.0f}"
     )
+
+
+def _progress(name: str, c: int, run: int, runs: int, figures: dict) -> None:
+    """One phase's row and its figures on stderr as soon as it ends, so a run cut short shows what it had."""
+    print(f"{_line(name, c, figures)}  (run {run}/{runs})", file=sys.stderr, flush=True)
+    print(f"  figures: {json.dumps(figures)}", file=sys.stderr, flush=True)
 
 
 def server_slots(layout: str, slots: int, levels: list[int]) -> int:
@@ -274,48 +230,55 @@ def _workload(args, levels: list[int]) -> tuple[list[Job], LongPrompts | None]:
 
 
 def _sides(args, url: str, runners: dict, jobs: list[Job], long: LongPrompts | None) -> dict:
-    """side name → phase(concurrency, requests) → its figures: "http" and each in-process runner."""
-    from hkserve.bench.serve_runner import one, runner_phase
+    """side name → phase(Load) → its figures: "http" and each in-process runner."""
+    from hkserve.bench.serve_runner import runner_phase
 
-    every = args.long_prompt_every
+    sides = {"http": lambda load: http_phase(url, args.model, load, jobs, long)}
+    return sides | {
+        name: (lambda load, r=runner: runner_phase(r, load, jobs, long)) for name, runner in runners.items()
+    }
 
-    def runner_side(runner):
-        return lambda c, n: measure(
-            lambda: runner_phase(runner, jobs, c, n),
-            lambda: Sample(runner.stats().running, None),  # the runner counts no preemptions
-            every,
-            lambda k: one(runner, long(), LONG_SEED + k),
-        )
 
-    sides = {"http": lambda c, n: http_phase(url, args.model, c, n, jobs, long, every)}
-    return sides | {name: runner_side(runner) for name, runner in runners.items()}
+def _requests(args, c: int) -> int | None:
+    """A phase's requests at concurrency c: --requests, else 3 x c (at least 4), else none with --duration-s."""
+    if args.requests:
+        return args.requests
+    return None if args.duration_s is not None else max(4, 3 * c)
 
 
 def _measure(args, levels: list[int], sides: dict) -> dict:
     """Per concurrency, each side's medians over --repeats runs, the sides' order alternating: the HTTP
-    side's at report[str(c)], a runner's at report[name][str(c)]."""
+    side's at report[str(c)], a runner's at report[name][str(c)]. Each run's row goes to stderr as it ends."""
     report: dict = {name: {} for name in sides if name != "http"}
     for c in levels:
-        n = args.requests or max(4, 3 * c)
+        load = Load(c, _requests(args, c), args.duration_s, args.long_prompt_every, args.retries)
         runs: dict[str, list] = {name: [] for name in sides}
         for repeat in range(args.repeats):
             for name in list(sides)[:: -1 if repeat % 2 else 1]:
-                runs[name].append(sides[name](c, n))
+                runs[name].append(sides[name](load))
+                _progress(name, c, repeat + 1, args.repeats, runs[name][-1])
         for name, figures in runs.items():
-            (report if name == "http" else report[name])[str(c)] = _median(figures)
-            print(_line(name, c, _median(figures)), flush=True)
+            (report if name == "http" else report[name])[str(c)] = medians(figures)
+            print(_line(name, c, medians(figures)), flush=True)
     return report
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _ratios(args, levels: list[int], report: dict) -> dict:
+    """The same run's ratios; None where a side had no figure (it served nothing)."""
     ratios = {
-        f"http_over_runner_out_tok_s_{c}": report[str(c)]["out_tok_s"] / report["runner"][str(c)]["out_tok_s"]
+        f"http_over_runner_out_tok_s_{c}": _ratio(report[str(c)]["out_tok_s"], report["runner"][str(c)]["out_tok_s"])
         for c in levels
     }
     if args.compare_prefill_rows:
         for c in levels:
             before, after = report["runner_prefill_rows_0"][str(c)], report["runner"][str(c)]
-            ratios[f"ttft_p50_rows_{args.prefill_rows}_over_rows_0_{c}"] = after["ttft_p50_ms"] / before["ttft_p50_ms"]
+            ratios[f"ttft_p50_rows_{args.prefill_rows}_over_rows_0_{c}"] = _ratio(
+                after["ttft_p50_ms"], before["ttft_p50_ms"]
+            )
     return ratios
 
 
@@ -334,12 +297,14 @@ def _settings(args, slots: int, long: LongPrompts | None) -> dict:
         "chat_distribution": distribution() if args.lengths == "chat" else None,
         "long_prompt_every_s": args.long_prompt_every,
         "long_prompt_tokens": long.length if long else None,
+        "duration_s": args.duration_s,
+        "retries": args.retries,
         "cpus": os.cpu_count(),
     }
 
 
 def run(args) -> int:
-    from hkserve.bench.serve_runner import KVOptions, runner_phase, start_runner
+    from hkserve.bench.serve_runner import KVOptions, runner_clients, start_runner
 
     if args.kv_cache_mb is not None and args.kv_layout != "paged":
         print("--kv-cache-mb sizes the paged pool: use it with --kv-layout paged", file=sys.stderr)
@@ -350,7 +315,7 @@ def run(args) -> int:
     kv = KVOptions(args.kv_layout, args.kv_cache_mb, args.kv_block_size, args.kv_dtype, args.max_step_tokens)
     extra = server_flags(kv, args.lengths)
     with serving(args.model, slots, max_queue, args.prefill_rows, args.max_len, extra=extra) as (url, _):
-        http_phase(url, args.model, 1, 2, [*jobs[:1], long()] if long else jobs)  # warm the HTTP path
+        http_phase(url, args.model, Load(1, 2), [*jobs[:1], long()] if long else jobs)  # warm the HTTP path
         print("starting the in-process runner(s) ...", file=sys.stderr, flush=True)
         runners = {"runner": start_runner(args.model, slots, max_queue, args.prefill_rows, args.max_len, kv)}
         if args.compare_prefill_rows:
@@ -358,14 +323,14 @@ def run(args) -> int:
         warm = [jobs[i % len(jobs)] for i in range(max(levels))] + ([long()] if long else [])
         try:
             for runner in runners.values():  # untimed: compiles what the workload uses
-                runner_phase(runner, warm, max(levels), len(warm))
+                runner_clients(runner, warm, max(levels), len(warm))
             report = _measure(args, levels, _sides(args, url, runners, jobs, long))
         finally:
             for runner in runners.values():
                 runner.stop()
     report["ratios"] = _ratios(args, levels, report)
     for key, value in report["ratios"].items():
-        print(f"{key}: {value:.3f}")
+        print(f"{key}: {value:.3f}" if value is not None else f"{key}: -")
     report["settings"] = _settings(args, slots, long)
     if args.json:
         print(json.dumps(report))

@@ -9,18 +9,21 @@ same workload measures batched prefill's effect on TTFT too.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple
 
-import numpy as np
-
+from hkserve.api.protocol import domain_error
 from hkserve.bench.clients import run_clients
-from hkserve.bench.workload import Job
+from hkserve.bench.phase import Load, measure
+from hkserve.bench.refusals import RETRIES, STREAM_ERROR, Outcome, Refused, retry_after, streamed, with_retries
+from hkserve.bench.watch import Sample
+from hkserve.bench.workload import LONG_SEED, Job, LongPrompts
 from hkserve.checkpoint.store import ModelStore, serving_weights
 from hkserve.engine.background_compile import Compiles
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
-from hkserve.engine.requests import Request
+from hkserve.engine.requests import Overloaded, Request
 from hkserve.engine.runner import InferenceRunner
 from hkserve.kernels.dispatch import resolve
 from hkserve.model.build import build_model
@@ -96,21 +99,47 @@ def prompt_ids(model: str, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(p) for p in prompts]
 
 
-def one(runner: InferenceRunner, job: Job, seed: int) -> dict:
-    """One request as bench serve's HTTP client makes it: temperature 0.8, its seed, ignore_eos."""
+def attempt(runner: InferenceRunner, job: Job, seed: int) -> Outcome:
+    """One request as bench serve's HTTP client makes it (temperature 0.8, its seed, ignore_eos) → its
+    Outcome; refused as the server would refuse it (the same status and Retry-After: api/protocol.py)."""
     request = Request(list(job.ids), job.max_tokens, SamplingParams(temperature=0.8, seed=seed))
     start = time.perf_counter()
+    try:
+        stream = runner.submit(request)
+    except (Overloaded, ValueError) as e:  # what the server's Generation turns into an HTTP error
+        error = domain_error(e)
+        raise Refused(str(error.status), retry_after(error.headers.get("Retry-After"))) from e
     arrivals, tokens = [], 0
-    for event in runner.submit(request):
+    for event in stream:
         if event.error:
-            raise RuntimeError(event.error)
+            raise Refused(STREAM_ERROR)
         if event.token is not None:
             arrivals.append(time.perf_counter())
             tokens += 1
-    return {"ttft": arrivals[0] - start if arrivals else float("nan"), "itl": list(np.diff(arrivals)), "tokens": tokens}
+    return streamed(start, arrivals, tokens)
 
 
-def runner_phase(runner: InferenceRunner, jobs: list[Job], concurrency: int, requests: int):
-    """`concurrency` client threads, `requests` in all (request i: jobs[i % len(jobs)], seed i) → the
-    per-request results and the wall time."""
-    return run_clients(concurrency, requests, lambda i: one(runner, jobs[i % len(jobs)], seed=i))
+def one(runner: InferenceRunner, job: Job, seed: int, stop: threading.Event, retries: int = RETRIES) -> Outcome:
+    """attempt() with bench/refusals.py's retries, none begun once `stop` is set."""
+    return with_retries(lambda: attempt(runner, job, seed), stop.wait, retries)
+
+
+def runner_clients(
+    runner: InferenceRunner, jobs: list[Job], concurrency: int, requests: int | None, stop=None, retries=RETRIES
+):
+    """`concurrency` client threads, `requests` in all (request i: jobs[i % len(jobs)], seed i) until `stop`
+    is set → the per-request Outcomes and the wall time."""
+    stop = stop or threading.Event()
+    return run_clients(concurrency, requests, lambda i: one(runner, jobs[i % len(jobs)], i, stop, retries), stop)
+
+
+def runner_phase(runner: InferenceRunner, load: Load, jobs: list[Job], long: LongPrompts | None = None) -> dict:
+    """The HTTP side's phase (bench/serve_http.py) with the runner in place of the server: its running
+    count from the runner's stats, no preemptions counted (None)."""
+    return measure(
+        lambda stop: runner_clients(runner, jobs, load.concurrency, load.requests, stop, load.retries),
+        lambda: Sample(runner.stats().running, None),
+        load.every,
+        lambda k, stop: one(runner, long(), LONG_SEED + k, stop, load.retries),
+        load.duration,
+    )

@@ -29,6 +29,7 @@ PROMPT_MEDIAN, PROMPT_SIGMA = 200, 1.0  # tokens; lognormal(log(median), sigma)
 REPLY_MEDIAN, REPLY_SIGMA = 100, 0.8
 LONG_PROMPT_TOKENS = 4096  # --long-prompt-every's prompt, at most max_len - LONG_REPLY_TOKENS
 LONG_REPLY_TOKENS = 16
+LONG_SEED = 10_000  # the k-th long prompt's sampling seed is LONG_SEED + k
 
 
 class Job(NamedTuple):
