@@ -176,6 +176,11 @@ def test_sentencepiece_tokenizer_rebuilt_from_gguf_metadata(gguf_file, sp, tmp_p
         assert tokenizer.encode(text)[0] == sp.bos_id()
         assert tokenizer.decode(sp.encode(text)) == sp.decode(sp.encode(text))
     assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    # A model's padded vocabulary rows past the tokenizer's (sampling can reach them) have no text.
+    ids, past = sp.encode("a fox"), tokenizer.vocab_size
+    assert tokenizer.decode([*ids, past, past + 7]) == tokenizer.decode(ids) == sp.decode(ids)
+    assert tokenizer.decode([past, *ids], skip_special=False) == sp.decode(ids)
+    assert tokenizer.token_text(past) == "" and tokenizer.token_bytes(past) == b""
     tokenizer.save(tmp_path / "tok")
     again = Tokenizer.load(tmp_path / "tok")
     assert again.encode("the quick brown fox") == tokenizer.encode("the quick brown fox")

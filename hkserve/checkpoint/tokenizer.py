@@ -98,8 +98,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True, keep: frozenset[int] = frozenset()) -> str:
         """`keep`: special ids written out even when skipping the others (the tool-call and reasoning
-        markers a reply parser reads, such as Mistral's `[TOOL_CALLS]`)."""
-        ids = [int(i) for i in ids]
+        markers a reply parser reads, such as Mistral's `[TOOL_CALLS]`). An id past the tokenizer's
+        vocabulary (a model's padded embedding rows, which sampling can reach) has no text, as in HF
+        `tokenizers`; sentencepiece would raise and end the reply's stream."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         if self.kind == "hf":
             if skip_special and keep:
                 ids, skip_special = [i for i in ids if i in keep or i not in self._special_ids], False
@@ -141,6 +143,9 @@ class Tokenizer:
         return piece.encode()
 
     def token_text(self, token_id: int) -> str:
+        """The token's piece; "" for an id past the vocabulary (see `decode`)."""
+        if not 0 <= int(token_id) < self.vocab_size:
+            return ""
         if self.kind == "hf":
             return self.backend.id_to_token(int(token_id)) or ""
         return self.backend.id_to_piece(int(token_id))
