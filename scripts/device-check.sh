@@ -122,7 +122,7 @@ quant_weights() {  # int8 and int4 weights on the device: scripts/device_quant_d
 }
 
 startup() {  # `hkserve bench startup`: serve's start to /health 200, cold then warm, SmolLM2
-    "$PY" -m hkserve.cli.main bench startup --model "$MODEL" --warm-starts 1 "${STARTUP[@]}" --json \
+    "$PY" -m hkserve.cli.main bench startup --model "$MODEL" --warm-starts 1 "${STARTUP[@]}" --server-log --json \
         | tee "$WORK/startup.out"
     local rc=${PIPESTATUS[0]}
     ((rc == 0)) && tail -n 1 "$WORK/startup.out" >"$WORK/startup.json"

@@ -18,10 +18,13 @@ from hkserve.cli.startup import CompileCounter
 def bench_startup(home, weights: str, slots: int, max_len: int) -> list[dict]:
     """`hkserve bench startup --json` on the store's "tiny": its runs, cold then warm."""
     cmd = [sys.executable, "-m", "hkserve.cli.main", "bench", "startup", "--model", "tiny", "--weights", weights]
-    cmd += ["--slots", str(slots), "--max-len", str(max_len), "--json"]
+    cmd += ["--slots", str(slots), "--max-len", str(max_len), "--server-log", "--json"]
     env = {**os.environ, "HKSERVE_HOME": str(home)}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
+    # Each start says it is ready as /health answers, and --server-log echoed the server's own log.
+    assert result.stdout.count(f"{weights}: ready after ") == 2
+    assert "serve| " in result.stderr and "startup: {" in result.stderr
     return json.loads(result.stdout.splitlines()[-1])["runs"]
 
 

@@ -42,6 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-starts", type=int, default=1, help="warm starts after each cold one")
     p.add_argument("--ready-within", type=float, default=1800, help="seconds a start may take before it fails")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    p.add_argument("--server-log", action="store_true", help="echo each server's log lines to stderr as they come")
     p.add_argument(
         "--llama-gguf",
         metavar="FILE",
@@ -67,12 +68,15 @@ def _healthy(port: int) -> bool:
         conn.close()
 
 
-def _lines(stream) -> queue.SimpleQueue:
-    """The server's log lines as they come (a reader thread keeps its pipe drained)."""
+def _lines(stream, echo: bool = False) -> queue.SimpleQueue:
+    """The server's log lines as they come (a reader thread keeps its pipe drained); `echo`: each also
+    to stderr as it comes, prefixed "serve| " (--server-log: where a slow start spends its time)."""
     lines: queue.SimpleQueue = queue.SimpleQueue()
 
     def read():
         for line in stream:
+            if echo:
+                print(f"serve| {line}", end="", file=sys.stderr, flush=True)
             lines.put(line)
         lines.put(None)
 
@@ -126,7 +130,7 @@ def start_once(args, weights: str, cache: str) -> dict:
     launched = time.perf_counter()
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        lines = _lines(server.stderr)
+        lines = _lines(server.stderr, echo=args.server_log)
         deadline = launched + args.ready_within
         while not _healthy(port):
             if server.poll() is not None or time.perf_counter() > deadline:
