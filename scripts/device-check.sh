@@ -45,6 +45,7 @@ if ((DRY)); then
     PAGED=(--rows 1,2 --context 40 --max-len 128 --block-size 16 --steps 3 --repeats 1)
     QUANT_DOT=(--k 256 --n 512 --layers 2 --rows 1,2 --iters 2 --repeats 1)
     QUANT_SIZES=(--slots 1,2 --hf-batches 1 --steps 3 --repeats 1 --max-len 128 --bandwidth-mb 64 --matmul-n 256)
+    QUANT_ENGINES=(bf16 int4-pallas)  # the loop's two kinds of run (int8 and int4 differ from them by --dtype alone)
     STARTUP=(--weights f32 --slots 2 --max-len 128)  # float32: bf16 programs compile slowly on a CPU
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -56,6 +57,7 @@ else
     PAGED=(--rows 16,64 --context 1024 --max-len 2048 --block-size 32 --steps 32 --repeats 3)
     QUANT_DOT=(--k 2048 --n 8192 --layers 16 --rows 1,16,64)
     QUANT_SIZES=(--slots 1,64 --hf-batches 1 --steps 32 --repeats 3 --max-len 2048 --bandwidth-mb 4096)
+    QUANT_ENGINES=(bf16 int8 int4 int4-pallas)
     STARTUP=(--weights bf16 --slots 16 --max-len 2048)  # serve's defaults on a GPU
 fi
 
@@ -113,8 +115,11 @@ quant_weights() {  # int8 and int4 weights on the device: scripts/device_quant_d
     # model's decode in bf16, int8 and int4 (`bench engine --dtype`); the JSONs stay in $WORK, for summary.json
     "$PY" scripts/device_quant_dot.py "${QUANT_DOT[@]}" --out "$WORK/quant-dot.json"
     local dtype rc=0
-    for dtype in bf16 int8 int4; do
-        "$PY" -m hkserve.cli.main bench engine --random "$RANDOM_MODEL" --dtype "$dtype" --json \
+    local kernel=pallas
+    ((DRY)) && kernel=interpret
+    for dtype in "${QUANT_ENGINES[@]}"; do  # int4-pallas: int4 through model/int4_pallas.py
+        HKSERVE_INT4_MATMUL=$([[ $dtype == int4-pallas ]] && echo "$kernel" || echo auto) \
+            "$PY" -m hkserve.cli.main bench engine --random "$RANDOM_MODEL" --dtype "${dtype%-pallas}" --json \
             --bandwidth-method device "${QUANT_SIZES[@]}" | tee "$WORK/quant-$dtype.out"
         ((PIPESTATUS[0] == 0)) && tail -n 1 "$WORK/quant-$dtype.out" >"$WORK/quant-$dtype.json" || rc=1
     done
@@ -210,7 +215,7 @@ if ((HAVE_SMOLLM2)); then
 else
     skip paged-attention "no SmolLM2 store"
 fi
-stage quant-weights 150 quant_weights
+stage quant-weights 240 quant_weights
 if ((HAVE_SMOLLM2)); then
     stage startup 180 startup
 else

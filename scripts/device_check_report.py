@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 WHEELS = Path(__file__).with_name("device-wheels.txt")
 MODULES = ("haiku", "gguf", "fastapi", "uvicorn", "openai", "jsonschema", "hkserve.api.app", "hkserve.bench.cli")
 BENCHES = ("bench-llama-1b", "bench-smollm2")
-QUANT_DTYPES = ("bf16", "int8", "int4")
+QUANT_DTYPES = ("bf16", "int8", "int4", "int4-pallas")
 
 
 def wanted_distributions() -> list[str]:
@@ -272,9 +272,9 @@ def print_quant(quant: dict) -> None:
                 continue
             rows = ", ".join(f"{n} rows {r['ms_per_matrix']:.4f} ({r['gb_s']:.0f} GB/s)" for n, r in f["rows"].items())
             print(f"  {name:<30} {rows}; error {f['error_vs_float32']:.1e}")
-    for b in quant["engine"].values():
+    for name, b in quant["engine"].items():
         tok_s = ", ".join(f"{n} slots {t:.1f}" for n, t in b["hkserve_tok_s"].items())
-        print(f"  {b['model']} {b['dtype']}: {tok_s} tok/s")
+        print(f"  {b['model']} {name}: {tok_s} tok/s")
 
 
 def print_startup(startup: dict) -> None:

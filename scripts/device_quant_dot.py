@@ -1,7 +1,8 @@
 """Quantized weights on an accelerator: how XLA runs x · W for int8 and int4 weights, in one run
 (scripts/device-check.sh, stage quant-weights). Today's formulation (hkserve.model: int8 widened to
 float32 in the dot, the scale after it; int4 groups dequantized to float32 in the dot's prologue) beside
-the same weights dequantized to bfloat16, and jnp.int4 weights, against bf16 dense weights, at 1, 16
+the same weights dequantized to bfloat16, jnp.int4 weights and the Pallas kernel (model/int4_pallas.py;
+interpreted on a CPU), against bf16 dense weights, at 1, 16
 and 64 rows. `--layers` different matrices per call, so the weights stream from memory rather than sit
 in the L2 cache; each call sums the products so that none is dropped. Prints ms per matrix and the
 bytes of weights read per second, each form's error against the float32 product of the unquantized
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hkserve.model.int4 import GROUP, grouped_dot, quantize_int4
+from hkserve.model.int4_pallas import int4_matmul
 from hkserve.model.layers import qdot
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -63,6 +65,7 @@ FORMS = {  # name → (weight format, product)
     "int4 as today (f32 prologue)": ("int4", grouped_dot),
     "int4 bf16 prologue": ("int4", int4_bf16),
     "jnp.int4 bf16 prologue": ("s4", s4_bf16),
+    "int4 groups, Pallas kernel": ("int4", lambda x, w: int4_matmul(x, *w, interpret=jax.default_backend() == "cpu")),
 }
 
 

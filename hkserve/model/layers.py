@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from hkserve.kernels import dispatch, ffi, pack, pack4, q4ffi
-from hkserve.model import layer_weights
+from hkserve.model import int4_pallas, layer_weights
 from hkserve.model.config import ModelConfig
 from hkserve.model.int4 import GROUP, Int4Weight, Int5Sym, Int8Group, Int8Sym, grouped_dot
 
@@ -180,6 +180,11 @@ def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
     w = hk.get_parameter("w", [groups * GROUP // 2, out_dim], jnp.uint8, init=jnp.zeros)
     scale = hk.get_parameter("scale", [groups, out_dim], F32, init=jnp.ones)
     low = hk.get_parameter("min", [groups, out_dim], F32, init=jnp.zeros)
+    mode = int4_pallas.kernel_choice(w.shape)
+    if mode is not None:  # the Pallas kernel: bf16 operands on a GPU, float32 interpreted (the tests)
+        return int4_pallas.int4_matmul(
+            x, w, scale, low, dtype=jnp.bfloat16 if mode == "pallas" else F32, interpret=mode == "interpret"
+        )
     return grouped_dot(x, Int4Weight(w, scale, low))
 
 
