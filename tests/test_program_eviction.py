@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
+from hkserve.cli import serve
+from hkserve.cli.main import build_parser
 from hkserve.engine import programs as programs_module
 from hkserve.engine.background_compile import Compiles
 from hkserve.engine.engine import Engine
@@ -137,3 +139,17 @@ def test_a_bound_is_refused_without_the_persistent_cache(monkeypatch):
     with pytest.raises(ValueError, match="at least one"):
         ProgramTable().bound(0)
     ProgramTable().bound(None)  # no bound needs no cache
+
+
+def test_serve_bounds_the_programs_only_with_the_compile_cache_and_one_host(monkeypatch):
+    def bounded(max_loaded: int, multi_host: bool = False) -> int | None:
+        engine = Engine(MODEL, PARAMS, OPTIONS)
+        serve.bound_programs(engine, max_loaded, multi_host)
+        return engine.programs.max_loaded
+
+    assert bounded(4) == 4 and bounded(0) is None and bounded(4, multi_host=True) is None
+    monkeypatch.setattr(serve, "persistent_cache_on", lambda: False)
+    assert bounded(4) is None  # HKSERVE_COMPILE_CACHE=off: every program stays loaded
+    assert build_parser().parse_args(["serve"]).max_loaded_programs == serve.MAX_LOADED_PROGRAMS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-loaded-programs", "-1"])

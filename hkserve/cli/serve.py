@@ -142,11 +142,19 @@ class ServeOptions:
         )
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def int_at_least(minimum: int):
+    """An argparse type: an int of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def add_step_tokens_argument(parser) -> None:
@@ -182,17 +190,10 @@ def add_compile_argument(parser) -> None:
     )
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
 def add_loaded_programs_argument(parser) -> None:
     parser.add_argument(
         "--max-loaded-programs",
-        type=non_negative_int,
+        type=int_at_least(0),
         default=MAX_LOADED_PROGRAMS,
         metavar="N",
         help="compiled programs kept loaded at once (~5-9 MiB of memory each on SmolLM2); past N the least "
