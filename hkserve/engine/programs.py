@@ -47,10 +47,12 @@ class ProgramTable:
     first; whoever asks while it compiles waits for that compile (one lock for the table, held only
     to look up and to claim a key: the compiles themselves run unlocked, several keys at once).
 
-    At most `max_loaded` executables stay loaded (None: all): each costs ~9 MiB of host memory loaded
+    At most `max_loaded` executables stay loaded (None: all): each costs ~5-9 MiB of host memory loaded
     against ~0.5 MiB on disk (docs/benchmarks.md, Start-up), so past the bound the least recently
     called one is dropped, and loaded again from JAX's persistent compile cache when next called: a
-    reload compiles nothing (counted: `reload_misses` must stay 0), and the executable is the same."""
+    reload compiles nothing (counted: `reload_misses` must stay 0), and the executable is the same.
+    A dropped executable's memory goes back to the heap only, which glibc keeps: `on_evict` (serve's
+    malloc_trim) returns it to the OS."""
 
     def __init__(self, compiler_options: dict[str, str] | None = None):
         """`compiler_options`: XLA's, for every program of the table (compiler_options.py)."""
