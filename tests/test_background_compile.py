@@ -78,7 +78,12 @@ def test_a_background_compiled_program_is_used_without_another_compile(compiles)
     client = TestClient(app)
 
     def health() -> dict:
-        return client.get("/health").json()
+        """/health's programs: mode, compiled, pending; the table's counts checked here (no bound: all loaded)."""
+        body = client.get("/health").json()
+        programs = body["programs"]
+        table = {"loaded": programs["compiled"], "max_loaded": None, "evictions": 0, "reloads": 0, "reload_misses": 0}
+        assert {k: programs.pop(k) for k in table} == table
+        return body
 
     before_ready = len(engine.programs)
     assert health()["status"] == "ok"

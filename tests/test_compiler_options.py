@@ -17,7 +17,7 @@ from hkserve.engine.programs import ProgramTable
 
 
 def _temps(engine) -> dict:
-    return {key: c.memory_analysis().temp_size_in_bytes for key, c in engine.programs._done.items()}
+    return {key: c.executable.memory_analysis().temp_size_in_bytes for key, c in engine.programs._done.items()}
 
 
 def test_bf16_kv_programs_hold_no_float32_copy_of_the_memory():

@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO, require_fixtures
 from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
 
+from hkserve.cli.serve import MAX_LOADED_PROGRAMS
 from hkserve.cli.startup import CompileCounter
 
 
@@ -61,6 +62,10 @@ def test_a_warm_start_compiles_nothing_and_the_record_adds_up(tiny_home):  # noq
     for r in runs:
         assert sum(r["seconds"].values()) == pytest.approx(r["ready_s"], abs=0.01)
         assert r["programs"]["mode"] == "background" and r["compiled_s"] >= r["ready_s"]
+        # serve's default bound on the loaded programs applied (the compile cache is on), no reload missed it
+        bound = {k: r["programs"][k] for k in ("max_loaded", "reload_misses")}
+        assert bound == {"max_loaded": MAX_LOADED_PROGRAMS, "reload_misses": 0}
+        assert 0 < r["programs"]["loaded"] <= MAX_LOADED_PROGRAMS
         assert r["seconds"]["compile"] > 0 and min(r["seconds"].values()) >= 0
         memory = r["memory"]
         assert (memory["stored_weights"], memory["served_params"], memory["kv"]) == (params, params, kv)

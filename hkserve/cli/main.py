@@ -22,6 +22,7 @@ from hkserve.cli.sample import run
 from hkserve.cli.serve import (
     add_compile_argument,
     add_limit_arguments,
+    add_loaded_programs_argument,
     add_parser_arguments,
     add_step_tokens_argument,
     add_web_argument,
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     add_step_tokens_argument(p)
     add_compile_argument(p)
+    add_loaded_programs_argument(p)
     p.add_argument(
         "--max-len",
         type=int,

@@ -33,6 +33,8 @@ from hkserve.cli.loading import LoadOptions, load_engine
 from hkserve.cli.memory import release_freed_heap
 from hkserve.cli.startup import StartupTimeline
 from hkserve.engine.background_compile import COMPILED_LINE, MODES, Compiles
+from hkserve.engine.forwarding import base_engine
+from hkserve.engine.programs import persistent_cache_on
 from hkserve.engine.runner import InferenceRunner
 from hkserve.engine.warmup import COMMON_CONTEXT
 from hkserve.multihost.control import Follower, Leader
@@ -41,6 +43,9 @@ from hkserve.multihost.hosts import HostFlags, HostGroup, LeaderEngine, exit_los
 log = logging.getLogger("hkserve.serve")
 
 
+# Executables kept loaded (--max-loaded-programs): SmolLM2's steady chat traffic called 9 of its 63
+# (docs/benchmarks.md, Start-up: "A bound on the loaded programs"), each ~5-9 MiB loaded.
+MAX_LOADED_PROGRAMS = 16
 DRAIN_TIMEOUT_S = 300.0  # longest a drain waits for running requests before stopping anyway
 
 
@@ -112,6 +117,7 @@ class ServeOptions:
     tool_call_parser: str = "auto"  # api/tool_parsers.py CHOICES
     compile: str = "background"  # engine/background_compile.py MODES (multi-host: always eager)
     compile_upto: int = COMMON_CONTEXT  # the longest context whose programs compile before ready
+    max_loaded_programs: int = MAX_LOADED_PROGRAMS  # executables kept loaded at once; 0: all
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -132,14 +138,23 @@ class ServeOptions:
             tool_call_parser=args.tool_call_parser,
             compile=args.compile,
             compile_upto=args.compile_upto,
+            max_loaded_programs=args.max_loaded_programs,
         )
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def int_at_least(minimum: int):
+    """An argparse type: an int of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def add_step_tokens_argument(parser) -> None:
@@ -173,6 +188,33 @@ def add_compile_argument(parser) -> None:
         metavar="TOKENS",
         help=f"the longest context whose programs compile before ready (background, lazy; default {COMMON_CONTEXT})",
     )
+
+
+def add_loaded_programs_argument(parser) -> None:
+    parser.add_argument(
+        "--max-loaded-programs",
+        type=int_at_least(0),
+        default=MAX_LOADED_PROGRAMS,
+        metavar="N",
+        help="compiled programs kept loaded at once (~5-9 MiB of memory each on SmolLM2); past N the least "
+        "recently called is dropped and loaded again from the compile cache when next called, compiling "
+        f"nothing. 0: all stay loaded; no bound either with the compile cache off or multi-host "
+        f"(default {MAX_LOADED_PROGRAMS})",
+    )
+
+
+def bound_programs(engine, max_loaded: int, multi_host: bool) -> None:
+    """Bound the engine's loaded executables (programs.py), and say so at start. An evicted program
+    must come back from the persistent compile cache: without it, or multi-host (a follower's reload
+    would stall host 0's collectives), every program stays loaded."""
+    programs = base_engine(engine).programs
+    if max_loaded and not multi_host and persistent_cache_on():
+        programs.on_evict = release_freed_heap  # an evicted executable's pages back to the OS
+        programs.bound(max_loaded)
+        log.info("loaded programs: at most %d, the others reloaded from the compile cache when called", max_loaded)
+        return
+    why = "--max-loaded-programs 0" if not max_loaded else "multi-host" if multi_host else "the compile cache is off"
+    log.info("loaded programs: all kept (%s)", why)
 
 
 def add_web_argument(parser) -> None:
@@ -256,6 +298,7 @@ def run_server(args: argparse.Namespace) -> int:
     mode = "eager" if hosts else options.compile  # multi-host: see background_compile.py
     compiles = Compiles(engine, mode, options.compile_upto)
     app.state.compiles = compiles.status
+    bound_programs(engine, options.max_loaded_programs, bool(hosts))
 
     def warm_up():
         log.info("compiling prefill buckets and decode windows (%s) ...", compiles.mode)

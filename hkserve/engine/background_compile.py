@@ -112,7 +112,8 @@ class Compiles:
             self._thread.join()
 
     def status(self) -> dict:
-        """{"mode", "compiled": programs in the engine's table, "pending": left for the background thread}."""
+        """{"mode", "compiled": programs in the engine's table, "pending": left for the background thread,
+        and the table's loaded executables, their bound, evictions and reloads (programs.py)}."""
         with self._lock:
             pending = len(self._pending)
-        return {"mode": self.mode, "compiled": len(self._programs), "pending": pending}
+        return {"mode": self.mode, "compiled": len(self._programs), "pending": pending, **self._programs.status()}

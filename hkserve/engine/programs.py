@@ -12,7 +12,10 @@ device with the program's in_shardings and the donated arguments are donated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
+import logging
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
@@ -21,6 +24,9 @@ from typing import Any
 import jax
 
 Key = tuple[Hashable, ...]  # (name..., the host arguments' (shape, dtype) signature)
+CACHE_HITS = "/jax/compilation_cache/cache_hits"  # JAX's event for a program loaded from the persistent cache
+
+log = logging.getLogger("hkserve.programs")
 
 
 def abstract(tree) -> Any:
@@ -28,52 +34,172 @@ def abstract(tree) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
+@dataclasses.dataclass
+class Loaded:
+    """One key's executable while it is loaded (None once evicted: the persistent compile cache keeps it)."""
+
+    executable: jax.stages.Compiled | None
+    used: int  # the table's clock at its last call; compiled ahead of time and not called since: -clock
+
+
 class ProgramTable:
     """The executables of one engine by key, thread-safe. A key is compiled once, by whoever asks
     first; whoever asks while it compiles waits for that compile (one lock for the table, held only
-    to look up and to claim a key: the compiles themselves run unlocked, several keys at once)."""
+    to look up and to claim a key: the compiles themselves run unlocked, several keys at once).
+
+    At most `max_loaded` executables stay loaded (None: all): each costs ~5-9 MiB of host memory loaded
+    against ~0.5 MiB on disk (docs/benchmarks.md, Start-up), so past the bound the least recently
+    called one is dropped, and loaded again from JAX's persistent compile cache when next called: a
+    reload compiles nothing (counted: `reload_misses` must stay 0), and the executable is the same.
+    A dropped executable's memory goes back to the heap only, which glibc keeps: `on_evict` (serve's
+    malloc_trim) returns it to the OS."""
 
     def __init__(self, compiler_options: dict[str, str] | None = None):
         """`compiler_options`: XLA's, for every program of the table (compiler_options.py)."""
         self.compiler_options = compiler_options or {}
+        self.max_loaded: int | None = None
+        self.on_evict: Callable[[], None] | None = None  # after evictions: serve gives the freed heap back
+        self.reloads = self.reload_misses = self.evictions = 0
+        self._clock = itertools.count()
         self._lock = threading.Lock()
-        self._done: dict[Key, jax.stages.Compiled] = {}
+        self._done: dict[Key, Loaded] = {}  # every key compiled so far, loaded or evicted
+        self._loaded = 0
         self._building: dict[Key, Future] = {}
 
+    def bound(self, max_loaded: int | None) -> None:
+        """Keep at most `max_loaded` executables loaded from now on (None: no bound). Refused without
+        JAX's persistent compile cache: an evicted program would compile again at its next call."""
+        if max_loaded is not None:
+            if max_loaded < 1:
+                raise ValueError(f"at least one program must stay loaded, not {max_loaded}")
+            if not persistent_cache_on():
+                raise ValueError("a bound on the loaded programs needs the persistent compile cache (it is off)")
+        with self._lock:
+            self.max_loaded = max_loaded
+            evicted = self._evict_over_bound(None)
+        if evicted and self.on_evict is not None:
+            self.on_evict()
+
     def __len__(self) -> int:
-        """Programs compiled so far (or loaded from the persistent compile cache)."""
+        """Programs compiled so far (or loaded from the persistent compile cache), loaded or not."""
         return len(self._done)
 
+    def loaded(self) -> int:
+        """Executables held now."""
+        return self._loaded
+
+    def status(self) -> dict:
+        """The counts /health reports: programs compiled, loaded now, the bound, evictions and reloads."""
+        return {
+            "loaded": self._loaded,
+            "max_loaded": self.max_loaded,
+            "evictions": self.evictions,
+            "reloads": self.reloads,
+            "reload_misses": self.reload_misses,
+        }
+
     def has(self, key: Key) -> bool:
+        """Whether `key` was compiled (its executable loaded now or in the persistent cache)."""
         return key in self._done
 
-    def get(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+    def tick(self) -> int:
+        return next(self._clock)
+
+    def get(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False) -> jax.stages.Compiled:
         """The executable of `key`: compiled by `build` now unless it is, or is being, compiled."""
-        done = self._done.get(key)  # the loop's path once compiled: no lock
-        if done is not None:
-            return done
+        return self.load(key, build, ahead)[1]
+
+    def load(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False):
+        """(its Loaded, the executable) of `key`, loaded by `build` now if need be: compiled, or
+        reloaded from the persistent cache once evicted. `ahead`: compiled for later, not called now
+        (the warm-up's and background compiles), so it displaces no program in use."""
+        entry = self._done.get(key)  # the loop's path once compiled: no lock
+        executable = entry.executable if entry is not None else None
+        if executable is not None:
+            if not ahead:
+                entry.used = self.tick()
+            return entry, executable
         with self._lock:
-            done = self._done.get(key)
-            if done is not None:
-                return done
+            entry = self._done.get(key)
+            executable = entry.executable if entry is not None else None
+            if executable is not None:
+                return entry, executable
             future = self._building.get(key)
             mine = future is None
             if mine:
                 future = self._building[key] = Future()
         if not mine:
-            return future.result()  # another thread's compile of this key: wait for it (or its error)
+            return future.result()  # another thread's load of this key: wait for it (or its error)
         try:
-            done = build()
+            executable = build() if entry is None else self._reload(key, build)
         except BaseException as e:
             with self._lock:
                 del self._building[key]
             future.set_exception(e)
             raise
         with self._lock:
-            self._done[key] = done
+            entry = self._done.setdefault(key, Loaded(None, 0))
+            # Compiled ahead of time (warm-up, background): before every called one in the eviction
+            # order, the latest first, so the smallest contexts (compiled first) stay and a rare
+            # program compiled in the background goes at once, left in the persistent cache.
+            entry.executable, entry.used = executable, -self.tick() if ahead else self.tick()
+            self._loaded += 1
+            evicted = self._evict_over_bound(None if ahead else entry)  # ahead: it may go at once
             del self._building[key]
-        future.set_result(done)
-        return done
+        future.set_result((entry, executable))
+        if evicted and self.on_evict is not None:
+            self.on_evict()
+        return entry, executable
+
+    def _reload(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+        """An evicted program, loaded again: from the persistent cache, or a miss logged and counted."""
+        hits = _cache_hits_here()
+        executable = build()
+        with self._lock:
+            self.reloads += 1
+            missed = _cache_hits_here() == hits
+            self.reload_misses += missed
+        if missed:
+            log.warning("program %s was evicted and compiled again: the persistent compile cache missed it", key)
+        return executable
+
+    def _evict_over_bound(self, keep: Loaded | None) -> int:
+        """Drop the least recently called executables beyond the bound (never `keep`); under the lock."""
+        evicted = 0
+        while self.max_loaded is not None and self._loaded > self.max_loaded:
+            victims = [e for e in self._done.values() if e.executable is not None and e is not keep]
+            if not victims:
+                break
+            min(victims, key=lambda e: e.used).executable = None
+            self._loaded -= 1
+            evicted += 1
+        self.evictions += evicted
+        return evicted
+
+
+def persistent_cache_on() -> bool:
+    """Whether JAX writes and reads its persistent compile cache (cli/compile_cache.py turns it on)."""
+    return bool(jax.config.jax_compilation_cache_dir)
+
+
+_here = threading.local()
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    """Count JAX's persistent-cache hits per thread (its events are recorded on the compiling thread)."""
+
+    def listener(event: str, **_) -> None:
+        if event == CACHE_HITS:
+            _here.hits = getattr(_here, "hits", 0) + 1
+
+    jax.monitoring.register_event_listener(listener)
+
+
+def _cache_hits_here() -> int:
+    """Persistent-cache hits on this thread so far (counted from the first reload on)."""
+    _listen_for_cache_hits()
+    return getattr(_here, "hits", 0)
 
 
 class Program:
@@ -93,9 +219,9 @@ class Program:
         if sorted(fixed) != list(range(len(fixed))):
             raise ValueError(f"the fixed arguments come first, not at {sorted(fixed)}")
         self.table, self.name, self.fn, self.fixed, self.jit_options = table, name, fn, fixed, jit_options
-        # The loop's path: each host signature's executable, found without building a table key (a
+        # The loop's path: each host signature's table entry, found without building a table key (a
         # key costs ~10 us a call; the tiny model's whole step ~1 ms: docs/benchmarks.md).
-        self._by_signature: dict[tuple, jax.stages.Compiled] = {}
+        self._by_signature: dict[tuple, Loaded] = {}
 
     @staticmethod
     def _signature(host: tuple) -> tuple:
@@ -107,9 +233,13 @@ class Program:
         return (*self.name, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
 
     def compile(self, *args) -> jax.stages.Compiled:
-        """The executable for these arguments (the fixed ones may be abstract): compiled if need be,
-        nothing run."""
-        return self.table.get(self.key(args), lambda: self._lower(args).compile(self.table.compiler_options))
+        """The executable for these arguments (the fixed ones may be abstract), compiled ahead of time
+        if need be, nothing run."""
+        return self._load(args, ahead=True)[1]
+
+    def _load(self, args: tuple, ahead: bool):
+        build = lambda: self._lower(args).compile(self.table.compiler_options)
+        return self.table.load(self.key(args), build, ahead)
 
     def full_args(self, host: tuple) -> tuple:
         """The arguments of a call with these host arguments: the params and state as abstract values."""
@@ -121,7 +251,11 @@ class Program:
 
     def __call__(self, *args):
         signature = self._signature(args[len(self.fixed) :])
-        executable = self._by_signature.get(signature)
-        if executable is None:  # first call of this signature here: the table's (compiled if need be)
-            executable = self._by_signature[signature] = self.compile(*args)
+        entry = self._by_signature.get(signature)
+        executable = entry.executable if entry is not None else None
+        if executable is None:  # first call of this signature here, or evicted since: the table's
+            entry, executable = self._load(args, ahead=False)
+            self._by_signature[signature] = entry
+        else:
+            entry.used = self.table.tick()
         return executable(*args)
