@@ -29,6 +29,7 @@ from hkserve.bench.peer import WARMUP_STEPS, run_peer
 from hkserve.bench.random_models import random_config, random_params
 from hkserve.checkpoint.store import ModelStore
 from hkserve.engine.engine import Engine
+from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, block_bytes
 from hkserve.engine.options import EngineOptions
 from hkserve.model import layer_loop
 from hkserve.model.build import build_model
@@ -60,7 +61,11 @@ def bench_hkserve(model, params, slots: int, prompts: np.ndarray, steps: int, re
 
     Each repeat prefills every slot afresh, so all repeats decode the same positions (and attention
     windows). A first untimed pass compiles the prefill and every window the timed steps reach."""
-    engine = Engine(model, params, EngineOptions(slots=slots, max_len=max_len))
+    # The pool the static layout would reserve (slots x max_len), on every backend: an accelerator's
+    # default pool (what its free memory holds, ~87 GB on an H200) costs start-up and memory, not speed.
+    blocks = slots * -(-max_len // DEFAULT_BLOCK_SIZE)
+    kv_mb = blocks * block_bytes(model.config, DEFAULT_BLOCK_SIZE) / 2**20
+    engine = Engine(model, params, EngineOptions(slots=slots, max_len=max_len, kv_cache_mb=kv_mb))
     if prompts.shape[1] + WARMUP_STEPS + steps >= engine.max_len:
         raise ValueError(
             f"prompt {prompts.shape[1]} + {WARMUP_STEPS + steps} steps do not fit max_len {engine.max_len}"
