@@ -9,7 +9,7 @@ ratios base / new mean anything: the script prints their median and spread (max 
 default clock is the process's CPU time (with one kernel thread, time spent waiting for a core is not
 counted); each side's figure is its minimum over `--calls` calls a round.
 
-`--new w5sa8`: this tree's hk_w5sa8 (int8 activations, q5a8.h; AVX2 only) against this tree's hk_w5sa16
+`--new w5sa8`: this tree's hk_w5sa8 (int8 activations, q5a8.h) against this tree's hk_w5sa16
 instead (no base build); their outputs differ by the activations' quantization, so they are checked
 close (relative L2 error < 2%), not equal.
 Usage: python scripts/q5_kernel_ab.py [--base REV] [--new w5sa16|w5sa8] [--rounds N] [--calls N]

@@ -1,6 +1,6 @@
 """hk_w5sa16 (kernels/q5a16.h) and hk_w5sa8 (q5a8.h): signed 5-bit group weights (model/int4.Int5Sym,
-what a GGUF's all-Q5_0 stacks import into, checkpoint/gguf_int4.py) times int16 (per 128, both ISA paths)
-or int8 (per 32, AVX2 only) activation blocks, against the float64 product of the kernel's
+what a GGUF's all-Q5_0 stacks import into, checkpoint/gguf_int4.py) times int16 (per 128)
+or int8 (per 32) activation blocks, on both ISA paths, against the float64 product of the kernel's
 block-quantized activations and the float64 dequantized weight, within 1e-5 of the sum of the terms'
 magnitudes; odd sizes, B in {1, 3, 16, 17}; GGUF Q5_0 weights as imported; a layer stack read at its
 index; a row's bits alone and among others; a model whose q/k/v and gate/up are 5-bit groups against the
@@ -21,14 +21,14 @@ from test_kernels import ISAS, SMOLLM2
 from test_q8g_kernels import check_batch_sizes, check_dense, check_gguf_import, mixed_int4
 
 from hkserve.checkpoint.gguf_quant import grouped5
-from hkserve.kernels import dispatch, pack4, q4ffi
+from hkserve.kernels import dispatch, ffi, pack4, q4ffi
 from hkserve.model.build import build_model
 from hkserve.model.int4 import Int5Sym, Int8Sym, pack_high, pack_nibbles
 from hkserve.model.memory import init_memory
 
 ODD = [(100, 70), (33, 129), (200, 1), (64, 65)]
 LEVELS = {"w5sa16": (32767, 128), "w5sa8": (127, 32)}  # activation levels, block (test_kernels.quantize_rows)
-CASES = [(kind, isa) for kind in LEVELS for isa in ISAS if kind == "w5sa16" or isa == 1]  # hk_w5sa8: AVX2 only
+CASES = [(kind, isa) for kind in LEVELS for isa in ISAS]
 
 
 def weight(k: int, n: int, seed: int = 0) -> Int5Sym:
@@ -100,7 +100,7 @@ def test_extreme_weights_times_extreme_activations_stay_exact(q, kind, isa):
 
 @pytest.mark.parametrize("kind", LEVELS)
 def test_a_stacked_weight_is_read_at_its_layer_index(kind):
-    isa = 1 if kind == "w5sa8" else ISAS[0]
+    isa = ISAS[0]
     layers = [weight(100, 70, seed=s) for s in range(3)]
     stacked = [jnp.stack(parts) for parts in zip(*(pack4.pack5(*map(jnp.asarray, w)) for w in layers))]
     x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
@@ -118,25 +118,18 @@ def test_a_row_has_the_same_bits_alone_or_among_others(kind, isa):
         assert np.array_equal(run(x[r : r + 1], w, isa, kind)[0], together[r])
 
 
-def test_the_int8_activation_kernel_refuses_the_avx512_path():
-    """hk_w5sa8 has an AVX2 loop only: isa 2 is refused by the library (not silently run as AVX2), and an
-    unknown 5-bit kind by the glue."""
+def test_an_unknown_5_bit_kernel_is_refused():
     packed = pack4.pack5(*map(jnp.asarray, weight(64, 64)))
-    call = jax.ffi.ffi_call(q4ffi.INT5["w5sa8"][0], jax.ShapeDtypeStruct((2, 64), jnp.float32))
-    with pytest.raises(Exception, match="hk_w5sa8: runs on the AVX2 path only"):
-        jax.block_until_ready(call(jnp.ones((2, 64)), *packed, jnp.int32(0), isa=np.int64(2), threads=np.int64(0)))
     with pytest.raises(ValueError, match="5-bit kernel"):
-        q4ffi.matmul_int5_sym(jnp.ones((2, 64)), *packed, 64, 1, kind="w5sa4")
+        q4ffi.matmul_int5_sym(jnp.ones((2, 64)), *packed, 64, ISAS[0], kind="w5sa4")
 
 
-def test_5_bit_groups_take_int8_activations_where_int4_does_on_avx2(monkeypatch):
-    """The AVX2 path: auto, w8a8 and w4a8 (int4 on hk_w4a8) → hk_w5sa8; w8a32, w8a16, w4a16 → hk_w5sa16.
-    The AVX-512 path keeps hk_w5sa16 (hk_w5sa8 has no AVX-512 loop)."""
-    monkeypatch.setenv(dispatch.ISA_ENV, "avx2")
+@pytest.mark.parametrize("isa", ISAS)
+def test_5_bit_groups_take_int8_activations_where_int4_does(isa):
+    """auto, w8a8 and w4a8 (int4 on hk_w4a8) → hk_w5sa8; w8a32, w8a16 and w4a16 → hk_w5sa16, on either path."""
     for requested, int5 in (("auto", "w5sa8"), ("w8a8", "w5sa8"), ("w4a8", "w5sa8"), ("w8a16", "w5sa16")):
-        assert dispatch.resolve(requested, "int4").int5 == int5
+        assert dispatch.resolve(requested, "int4")._replace(isa=isa).int5 == int5
     assert dispatch.resolve("w8a32", "int4").int5 == dispatch.resolve("w4a16", "int4").int5 == "w5sa16"
-    assert dispatch.KernelSpec("w8a16", 2, 0, "w4a8").int5 == "w5sa16"
 
 
 @pytest.mark.parametrize("wrong", ["w", "high"])
@@ -213,11 +206,12 @@ def test_a_model_on_5_bit_stacks_equals_the_same_weights_as_signed_8_bit_groups(
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_a_model_on_5_bit_stacks_runs_int8_activations_under_auto_on_avx2(monkeypatch):
-    """auto on the AVX2 path runs the 5-bit stacks through hk_w5sa8 (the compiled step names it): their
-    logits follow XLA's float product of the same weights within 1% (L2) with the same greedy tokens,
-    and the int16 kernel's within the same bound; the int8 activations are the only difference."""
-    monkeypatch.setenv(dispatch.ISA_ENV, "avx2")
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_model_on_5_bit_stacks_runs_int8_activations_under_auto(isa, monkeypatch):
+    """auto runs the 5-bit stacks through hk_w5sa8 (the compiled step names it): their logits follow XLA's
+    float product of the same weights within 1% (L2) with the same greedy tokens, and the int16 kernel's
+    within the same bound; the int8 activations are the only difference."""
+    monkeypatch.setenv(dispatch.ISA_ENV, ffi.ISA_NAMES[isa])
     (c5, p5), _ = forms()
     tokens = np.random.default_rng(0).integers(0, 128, (3, 5)).astype(np.int32)
     got, text = kernel_logits(c5, p5, "auto", tokens)

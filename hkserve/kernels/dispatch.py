@@ -13,8 +13,8 @@ hk_w4a16's instructions at 16 rows) under auto, w8a8 and w4a8, and hk_w4a16 (int
 w8a16 and w8a32. On 7.6k tokens of English prose hk_w4a8 stays within 1% of float32 (SmolLM2 Q4_1 +0.34%,
 hk_w4a16 +0.08%); on the 103-token Genesis excerpt it swings (-1.60% at window 512), which is why w4a16
 stays selectable (kernels/README.md has the tables). Signed 5-bit groups (Gemma's Q5_0 stacks) follow the
-int4 choice on the AVX2 path: hk_w5sa8 (int8 per 32) where int4 runs hk_w4a8, else hk_w5sa16 (int16 per
-128; AVX-512 always). One kernel per model: a row's bits do not depend on the batch.
+int4 choice: hk_w5sa8 (int8 per 32) where int4 runs hk_w4a8, else hk_w5sa16 (int16 per 128). One kernel
+per model: a row's bits do not depend on the batch.
 
 Float32/bfloat16 weights get a spec too, with no matrix-product kind (`kind` None, `attention_only`):
 their products stay XLA's dots, and only a decode step's attention runs the C++ kernel, which reads
@@ -51,9 +51,9 @@ class KernelSpec(NamedTuple):
 
     @property
     def int5(self) -> str:
-        """The signed 5-bit groups' kernel: hk_w5sa8 (int8 activations per 32, AVX2 only) where the int4
-        kernel takes int8 activations on the AVX2 path, else hk_w5sa16 (int16 per 128)."""
-        return "w5sa8" if self.int4 == "w4a8" and self.isa == 1 else "w5sa16"
+        """The signed 5-bit groups' kernel: hk_w5sa8 (int8 activations per 32) where the int4 kernel takes
+        int8 activations (hk_w4a8), else hk_w5sa16 (int16 per 128)."""
+        return "w5sa8" if self.int4 == "w4a8" else "w5sa16"
 
     @property
     def attention_only(self) -> bool:

@@ -84,7 +84,7 @@ def matmul_int5_sym(
     """x [..., K] float32 · a packed signed 5-bit group weight (pack4.pack5: nibbles uint8 [(L,) N/64, K/32,
     1024], high bits uint8 [(L,) N/64, K/32, 256], float16 scale [(L,) N/64, K/32, 64]) → [..., n] float32
     through hk_w5sa16, x quantized per row to int16 in blocks of 128 (as "w4a16"), or kind "w5sa8":
-    hk_w5sa8 (AVX2 only), x quantized to int8 per 32 (as "w4a8"); with `layer`, a layer stack read at that
+    hk_w5sa8, x quantized to int8 per 32 (as "w4a8"); with `layer`, a layer stack read at that
     layer in place."""
     if kind not in INT5:
         raise ValueError(f"5-bit kernel must be one of {sorted(INT5)}, got {kind!r}")

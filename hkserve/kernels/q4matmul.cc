@@ -190,7 +190,7 @@ ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 
 // hk_w5sa16 and hk_w5sa8: signed 5-bit groups (q5a16.h) with a float16 scale and no min: w [(L,) N/64,
 // K/32, 1024] (the low nibbles), high [(L,) N/64, K/32, 256] (the high bits), scale [(L,) N/64, K/32, 64]
-// float16; activations int16 per 128 (hk_w5sa16) or int8 per 32 (`a8`: hk_w5sa8, q5a8.h, AVX2 only).
+// float16; activations int16 per 128 (hk_w5sa16) or int8 per 32 (`a8`: hk_w5sa8, q5a8.h).
 ffi::Error q5call(const std::string& name, bool a8, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                   ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high, ffi::Buffer<ffi::F16> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
@@ -202,15 +202,14 @@ ffi::Error q5call(const std::string& name, bool a8, ffi::ThreadPool pool, ffi::B
   std::string why = same ? grouped_problem(p, x.dimensions(), wd, scale.dimensions(), y->dimensions(), layer,
                                            w.typed_data(), y->typed_data(), GB, isa, &at)
                          : "high must be w's shape with 256 bytes a group";
-  if (why.empty() && a8 && isa != 1) why = "runs on the AVX2 path only (isa 1)";
   if (!why.empty()) return ffi::Error::InvalidArgument(name + ": " + why);
   const uint8_t* hi = high.typed_data() + at * hk::kQ5High;
   const uint16_t* sc16 = scale.typed_data() + at * hk::NT;
   if (p.m == 0) return ffi::Error::Success();
   if (a8) {
     const int32_t* xsum = quantize_a8(x.typed_data(), p);
-    run_items(pool, p, threads, [&p, hi, sc16, xsum](int64_t t, int64_t r, int64_t end) {
-      hk::run_rows_q5a8(p, hi, sc16, xsum, t, r, end);
+    run_items(pool, p, threads, [&p, hi, sc16, xsum, isa](int64_t t, int64_t r, int64_t end) {
+      hk::run_rows_q5a8(p, hi, sc16, xsum, isa, t, r, end);
     });
     return ffi::Error::Success();
   }

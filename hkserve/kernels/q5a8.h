@@ -1,10 +1,12 @@
 // hk_w5sa8: hk_w5sa16's signed 5-bit groups (q5a16.h: pack5's nibbles and high-bit plane, a float16 scale
 // per group and column, w = scale * (q - 16)) times hk_w4a8's int8 activations (quant8.h: per row, blocks
-// of 32 = the weight's groups; llama.cpp's Q5_0 x Q8_0), AVX2 only. On AVX2 hk_w5sa16 is arithmetic-bound
-// (vpmaddwd: 16 products an instruction); vpmaddubsw takes 32, so a line's 64 weights need two instead of
-// four, and the merge of nibbles and fifth bits is the same one: q5a16.h's words a = (v & 0x0F0F) |
-// (G & 0x1010) and b = (v >> 4 & 0x0F0F) | (G << 4 & 0x1010), read as bytes, are q of inputs 4j + e and
-// 16 + 4j + e of a column's lane, the order of hk_w4a8's broadcast quads (A8).
+// of 32 = the weight's groups; llama.cpp's Q5_0 x Q8_0). On AVX2 hk_w5sa16 is arithmetic-bound (vpmaddwd:
+// 16 products an instruction); vpmaddubsw takes 32, so a line's 64 weights need two instead of four, and
+// the merge of nibbles and fifth bits is the same one: q5a16.h's words a = (v & 0x0F0F) | (G & 0x1010)
+// and b = (v >> 4 & 0x0F0F) | (G << 4 & 0x1010), read as bytes, are q of inputs 4j + e and 16 + 4j + e of
+// a column's lane, the order of hk_w4a8's broadcast quads (A8). AVX-512 runs q5a16.h's rows_q5_512 with
+// this side (Q5A8): each merge one vpternlogd and a mask of 0x1F per byte, then vpdpbusd (64 products an
+// instruction, int32 sums) where hk_w5sa16 splits the words for four vpdpwssd.
 //
 // vpmaddubsw takes q (0..31) as its unsigned side and the activations (-127..127) as the signed one: a
 // pair's sum is at most 2 * 31 * 127 = 7874, so two quads' four products add in int16 (31496 < 2^15)
@@ -103,13 +105,40 @@ __attribute__((target("avx2,fma,f16c"))) void rows_q5a8_avx2(const Q4Problem& p,
   for (int r = 0; r < R; ++r) store4(p, r0 + r, t, acc[r]);
 }
 
-// Rows [r, end) of tile t, in groups that share each weight load (4, then 2, then 1). `high` and `sc16`
-// start at the call's layer, as p.w does.
+// The AVX-512 side of rows_q5_512: a row's int8 quads broadcast (l: inputs 4j.., h: 16 + 4j..), and line C
+// of a quad merged (vpternlogd 0xE4: (v & 0x0F) | (G & 0xF0) per byte, then & 0x1F) into vpdpbusd.
+struct Q5A8 {
+  struct X512 {
+    __m512i l, h;
+  };
+  __attribute__((target("avx512f"))) static X512 acts512(const Q4Problem& p, int64_t row, int64_t g, int j) {
+    return {_mm512_set1_epi32(lane(p.xq, p, row, g, 4 * j)), _mm512_set1_epi32(lane(p.xq, p, row, g, 16 + 4 * j))};
+  }
+  template <int C>
+  __attribute__((target("avx512f,avx512bw,avx512vnni"))) static __m512i dot(__m512i acc, __m512i v, __m512i h,
+                                                                            const X512& x) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x1F);
+    const __m512i g = C ? _mm512_srli_epi16(h, C) : h;
+    const __m512i a = _mm512_and_si512(_mm512_ternarylogic_epi32(v, g, nib, 0xE4), five);
+    const __m512i b =
+        _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_slli_epi16(g, 4), nib, 0xE4), five);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, a, x.l), b, x.h);
+  }
+};
+
+// Rows [r, end) of tile t on ISA path `isa`, in groups that share each weight load (4, then 2, then 1).
+// `high` and `sc16` start at the call's layer, as p.w does.
 inline void run_rows_q5a8(const Q4Problem& p, const uint8_t* high, const uint16_t* sc16, const int32_t* xsum,
-                          int64_t t, int64_t r, int64_t end) {
-  for (; r + 4 <= end; r += 4) rows_q5a8_avx2<4>(p, high, sc16, xsum, t, r);
-  for (; r + 2 <= end; r += 2) rows_q5a8_avx2<2>(p, high, sc16, xsum, t, r);
-  for (; r < end; ++r) rows_q5a8_avx2<1>(p, high, sc16, xsum, t, r);
+                          int64_t isa, int64_t t, int64_t r, int64_t end) {
+  if (isa == 2) {
+    for (; r + 4 <= end; r += 4) rows_q5_512<4, Q5A8>(p, high, sc16, xsum, t, r);
+    for (; r + 2 <= end; r += 2) rows_q5_512<2, Q5A8>(p, high, sc16, xsum, t, r);
+    for (; r < end; ++r) rows_q5_512<1, Q5A8>(p, high, sc16, xsum, t, r);
+  } else {
+    for (; r + 4 <= end; r += 4) rows_q5a8_avx2<4>(p, high, sc16, xsum, t, r);
+    for (; r + 2 <= end; r += 2) rows_q5a8_avx2<2>(p, high, sc16, xsum, t, r);
+    for (; r < end; ++r) rows_q5a8_avx2<1>(p, high, sc16, xsum, t, r);
+  }
 }
 
 }  // namespace hk
