@@ -101,7 +101,8 @@ def add_kernels_argument(p) -> None:
         "attention reading the KV memory in place (float weights too: their products stay XLA's); "
         "w8a32 = float32 activations; w8a8 = int8 activations per 32 values (llama.cpp's Q8_0); xla = XLA's "
         "dots. int4 weights run w4a8 (int8 activations per 32) except with w8a32, w8a16 or w4a16 (int16 "
-        "activations per 128); w4a16/w4a8 name the int4 kernel and keep w8a16",
+        "activations per 128), 5-bit groups alike (hk_w5sa8 / hk_w5sa16); w4a16/w4a8 name the int4 kernel and "
+        "keep w8a16",
     )
 
 
