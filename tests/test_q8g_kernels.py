@@ -52,9 +52,10 @@ def run(x: np.ndarray, w: Int8Group, isa: int) -> np.ndarray:
     return np.asarray(kernel(isa, w.q.shape[-1])(x, *pack4.pack8(*map(jnp.asarray, w))))
 
 
-def check_dense(y: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
-    """y against the float64 product of x's int16 blocks and the float64 weight `dense` [K_pad, N]."""
-    xs, wd = quantize_rows(x, 32767, 128), dense[: x.shape[1]]
+def check_dense(y: np.ndarray, x: np.ndarray, dense: np.ndarray, levels: int = 32767, block: int = 128) -> None:
+    """y against the float64 product of x's quantized blocks (int16 per 128 unless told) and the float64
+    weight `dense` [K_pad, N]."""
+    xs, wd = quantize_rows(x, levels, block), dense[: x.shape[1]]
     ref, bound = xs @ wd, 1e-5 * (np.abs(xs) @ np.abs(wd)) + 1e-30
     err = np.abs(np.asarray(y, np.float64) - ref)
     assert np.all(err <= bound), f"max error {err.max():.3g} over bound {(err / bound).max():.3g}x"

@@ -32,6 +32,7 @@ HEADERS = (
     HERE / "q4a16.h",
     HERE / "q8a16.h",
     HERE / "q5a16.h",
+    HERE / "q5a8.h",
 )
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 

@@ -12,8 +12,9 @@ int4 weights run hk_w4a8 (int8 activations per 32: vpdpbusd's 64 products an ins
 hk_w4a16's instructions at 16 rows) under auto, w8a8 and w4a8, and hk_w4a16 (int16 per 128) under w4a16,
 w8a16 and w8a32. On 7.6k tokens of English prose hk_w4a8 stays within 1% of float32 (SmolLM2 Q4_1 +0.34%,
 hk_w4a16 +0.08%); on the 103-token Genesis excerpt it swings (-1.60% at window 512), which is why w4a16
-stays selectable (kernels/README.md has the tables). One kernel per model: a row's bits do not depend
-on the batch.
+stays selectable (kernels/README.md has the tables). Signed 5-bit groups (Gemma's Q5_0 stacks) follow the
+int4 choice: hk_w5sa8 (int8 per 32) where int4 runs hk_w4a8, else hk_w5sa16 (int16 per 128). One kernel
+per model: a row's bits do not depend on the batch.
 
 Float32/bfloat16 weights get a spec too, with no matrix-product kind (`kind` None, `attention_only`):
 their products stay XLA's dots, and only a decode step's attention runs the C++ kernel, which reads
@@ -49,12 +50,20 @@ class KernelSpec(NamedTuple):
     int4: str = "w4a8"  # int4 weights x activations: "w4a8" int8 per 32 values | "w4a16" int16 per 128
 
     @property
+    def int5(self) -> str:
+        """The signed 5-bit groups' kernel: hk_w5sa8 (int8 activations per 32) where the int4 kernel takes
+        int8 activations (hk_w4a8), else hk_w5sa16 (int16 per 128)."""
+        return "w5sa8" if self.int4 == "w4a8" else "w5sa16"
+
+    @property
     def attention_only(self) -> bool:
         """A float model's spec: decode attention in place, nothing else (products, sampler) on the kernels."""
         return self.kind is None
 
     def describe(self) -> str:
-        what = "decode attention only (float weights)" if self.attention_only else f"{self.kind} (int4: {self.int4})"
+        what = "decode attention only (float weights)"
+        if not self.attention_only:
+            what = f"{self.kind} (int4: {self.int4}, int5: {self.int5})"
         return f"{what} on {ffi.ISA_NAMES[self.isa]}, {self.threads or 'auto'} threads"
 
 
@@ -92,7 +101,8 @@ def add_kernels_argument(p) -> None:
         "attention reading the KV memory in place (float weights too: their products stay XLA's); "
         "w8a32 = float32 activations; w8a8 = int8 activations per 32 values (llama.cpp's Q8_0); xla = XLA's "
         "dots. int4 weights run w4a8 (int8 activations per 32) except with w8a32, w8a16 or w4a16 (int16 "
-        "activations per 128); w4a16/w4a8 name the int4 kernel and keep w8a16",
+        "activations per 128), 5-bit groups alike (hk_w5sa8 / hk_w5sa16); w4a16/w4a8 name the int4 kernel and "
+        "keep w8a16",
     )
 
 

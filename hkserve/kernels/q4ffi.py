@@ -16,6 +16,7 @@ TARGETS = {"w4a16": ("hk_w4a16", "HkW4A16"), "w4a8": ("hk_w4a8", "HkW4A8"), "w8g
 EIGHT_BIT = "w8ga16"  # 8-bit groups (pack4.pack8) times int16 activations: the packed weight's last dim 2048
 SYM = ("hk_w8sa16", "HkW8SA16")  # signed 8-bit groups, float16 scale, no min (pack4.pack8_sym)
 SYM5 = ("hk_w5sa16", "HkW5SA16")  # signed 5-bit groups, float16 scale, no min (pack4.pack5)
+INT5 = {"w5sa16": SYM5, "w5sa8": ("hk_w5sa8", "HkW5SA8")}  # the 5-bit kernels: int16 or int8 activations
 
 
 @functools.cache
@@ -23,7 +24,7 @@ def available() -> bool:
     lib = ffi.library()
     if lib is None:
         return False
-    for target, symbol in (*TARGETS.values(), SYM, SYM5):
+    for target, symbol in (*TARGETS.values(), SYM, *INT5.values()):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
 
@@ -78,12 +79,16 @@ def matmul_int5_sym(
     isa: int,
     threads: int = 0,
     layer: jax.Array | None = None,
+    kind: str = "w5sa16",
 ) -> jax.Array:
     """x [..., K] float32 · a packed signed 5-bit group weight (pack4.pack5: nibbles uint8 [(L,) N/64, K/32,
     1024], high bits uint8 [(L,) N/64, K/32, 256], float16 scale [(L,) N/64, K/32, 64]) → [..., n] float32
-    through hk_w5sa16, x quantized per row to int16 in blocks of 128 (as "w4a16"); with `layer`, a layer
-    stack read at that layer in place."""
-    return _call(SYM5[0], x, (packed, high, scale.astype(jnp.float16)), n, isa, threads, layer)
+    through hk_w5sa16, x quantized per row to int16 in blocks of 128 (as "w4a16"), or kind "w5sa8":
+    hk_w5sa8, x quantized to int8 per 32 (as "w4a8"); with `layer`, a layer stack read at that
+    layer in place."""
+    if kind not in INT5:
+        raise ValueError(f"5-bit kernel must be one of {sorted(INT5)}, got {kind!r}")
+    return _call(INT5[kind][0], x, (packed, high, scale.astype(jnp.float16)), n, isa, threads, layer)
 
 
 def _call(target: str, x: jax.Array, weight: tuple, n: int, isa: int, threads: int, layer) -> jax.Array:

@@ -22,6 +22,7 @@
 #include "q4.h"
 #include "q4a16.h"
 #include "q5a16.h"
+#include "q5a8.h"
 #include "q8a16.h"
 #include "quant8.h"
 #include "threads.h"
@@ -62,21 +63,24 @@ struct A8 {
   __attribute__((target("avx2"))) static __m256i sums256(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 };
 
-// Rows → int8 per group of 32 (quant8.h), the calling thread's buffers reused.
-void quantize_a8(const float* x, Q4Problem& p) {
+// Rows → int8 per group of 32 (quant8.h), the calling thread's buffers reused; returns each row's exact
+// integer sum per group [m, kp/32] (hk_w5sa8's -16 partner; hk_w4a8 reads its float form xs).
+const int32_t* quantize_a8(const float* x, Q4Problem& p) {
   const int64_t ng = p.kp / G4;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
+  thread_local std::vector<int32_t> sums;
   thread_local std::vector<uint8_t> scratch(G4);  // |q|, which only hk_w8a8's AVX2 path reads
-  xq.resize(p.m * p.kp), xd.resize(p.m * ng), xs.resize(p.m * ng);
+  xq.resize(p.m * p.kp), xd.resize(p.m * ng), xs.resize(p.m * ng), sums.resize(p.m * ng);
   for (int64_t r = 0; r < p.m; ++r) {
     for (int64_t g = 0; g < ng; ++g) {
       int64_t lo = g * G4, n = std::max<int64_t>(0, std::min<int64_t>(G4, p.k - lo)), at = r * ng + g;
-      int32_t sum = hk::quantize_block(x + r * p.k + lo, n, xq.data() + r * p.kp + lo, scratch.data(), &xd[at]);
-      xs[at] = xd[at] * static_cast<float>(sum);
+      sums[at] = hk::quantize_block(x + r * p.k + lo, n, xq.data() + r * p.kp + lo, scratch.data(), &xd[at]);
+      xs[at] = xd[at] * static_cast<float>(sums[at]);
     }
   }
   p.xq = xq.data(), p.xd = xd.data(), p.xs = xs.data();
+  return sums.data();
 }
 
 // The kernels of this file: the weight's bits and the activations' (q4.h's policies).
@@ -184,11 +188,12 @@ ffi::Error w8sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// hk_w5sa16: signed 5-bit groups (q5a16.h) with a float16 scale and no min: w [(L,) N/64, K/32, 1024]
-// (the low nibbles), high [(L,) N/64, K/32, 256] (the high bits), scale [(L,) N/64, K/32, 64] float16.
-ffi::Error w5sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high,
-                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
-                  int64_t threads) {
+// hk_w5sa16 and hk_w5sa8: signed 5-bit groups (q5a16.h) with a float16 scale and no min: w [(L,) N/64,
+// K/32, 1024] (the low nibbles), high [(L,) N/64, K/32, 256] (the high bits), scale [(L,) N/64, K/32, 64]
+// float16; activations int16 per 128 (hk_w5sa16) or int8 per 32 (`a8`: hk_w5sa8, q5a8.h).
+ffi::Error q5call(const std::string& name, bool a8, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                  ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high, ffi::Buffer<ffi::F16> scale,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t threads) {
   Q4Problem p{};
   int64_t at = 0;
   auto wd = w.dimensions(), hd = high.dimensions();
@@ -197,16 +202,35 @@ ffi::Error w5sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   std::string why = same ? grouped_problem(p, x.dimensions(), wd, scale.dimensions(), y->dimensions(), layer,
                                            w.typed_data(), y->typed_data(), GB, isa, &at)
                          : "high must be w's shape with 256 bytes a group";
-  if (!why.empty()) return ffi::Error::InvalidArgument("hk_w5sa16: " + why);
+  if (!why.empty()) return ffi::Error::InvalidArgument(name + ": " + why);
   const uint8_t* hi = high.typed_data() + at * hk::kQ5High;
   const uint16_t* sc16 = scale.typed_data() + at * hk::NT;
   if (p.m == 0) return ffi::Error::Success();
+  if (a8) {
+    const int32_t* xsum = quantize_a8(x.typed_data(), p);
+    run_items(pool, p, threads, [&p, hi, sc16, xsum, isa](int64_t t, int64_t r, int64_t end) {
+      hk::run_rows_q5a8(p, hi, sc16, xsum, isa, t, r, end);
+    });
+    return ffi::Error::Success();
+  }
   hk::quantize_a16(x.typed_data(), p);
   const int32_t* xsum = hk::group_sums16(p);
   run_items(pool, p, threads, [&p, hi, sc16, xsum, isa](int64_t t, int64_t r, int64_t end) {
     hk::run_rows_q5(p, hi, sc16, xsum, isa, t, r, end);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error w5sa16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high,
+                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
+                  int64_t threads) {
+  return q5call("hk_w5sa16", false, pool, x, w, high, scale, layer, y, isa, threads);
+}
+
+ffi::Error w5sa8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> high,
+                 ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t isa,
+                 int64_t threads) {
+  return q5call("hk_w5sa8", true, pool, x, w, high, scale, layer, y, isa, threads);
 }
 
 }  // namespace
@@ -237,9 +261,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8GA16, w8ga16, HK_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW8SA16, w8sa16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
                                   HK_SYM_TAIL);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW5SA16, w5sa16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>() HK_SYM_TAIL);
+#define HK_Q5_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW5SA16, w5sa16, HK_Q5_BINDING HK_SYM_TAIL);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HkW5SA8, w5sa8, HK_Q5_BINDING HK_SYM_TAIL);

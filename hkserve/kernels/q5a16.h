@@ -76,9 +76,22 @@ __attribute__((target("avx2"))) inline __m256i dot5_256(__m256i s, __m256i v, __
   return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(b, 8), x.v[3]));
 }
 
-// Rows r0..r0+R-1 of tile t, AVX-512: per group the integer sums of 64 columns (4 vectors a row), less
-// 16 * the row's group sum, then f += a * (scale * xd) on float sums kept in memory.
-template <int R>
+// hk_w5sa16's activation side of rows_q5_512: the int16 pairs (A16) and dot5_512 (hk_w5sa8's: q5a8.h).
+struct Q5A16 {
+  using X512 = A16::X512;
+  __attribute__((target("avx512f"))) static X512 acts512(const Q4Problem& p, int64_t row, int64_t g, int j) {
+    return A16::acts512(p, row, g, j);
+  }
+  template <int C>
+  __attribute__((target("avx512f,avx512bw,avx512vnni"))) static __m512i dot(__m512i acc, __m512i v, __m512i h,
+                                                                            const X512& x) {
+    return dot5_512<C>(acc, v, h, x);
+  }
+};
+
+// Rows r0..r0+R-1 of tile t, AVX-512: per group the integer sums of 64 columns (4 vectors a row; P: the
+// activations' side), less 16 * the row's group sum, then f += a * (scale * xd) on float sums in memory.
+template <int R, class P = Q5A16>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_q5_512(const Q4Problem& p, const uint8_t* high,
                                                                          const uint16_t* sc16, const int32_t* xsum,
                                                                          int64_t t, int64_t r0) {
@@ -91,18 +104,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_q5_512(const Q4
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
     const uint8_t* hg = high + (t * tl.ng + g) * kQ5High;
     for (int j = 0; j < 4; ++j) {
-      A16::X512 x[R];
-      for (int r = 0; r < R; ++r) x[r] = A16::acts512(p, r0 + r, g, j);
+      typename P::X512 x[R];
+      for (int r = 0; r < R; ++r) x[r] = P::acts512(p, r0 + r, g, j);
       const uint8_t* q = tl.w + g * GB + j * 256;
       prefetch_256(q);
       __m512i h = _mm512_loadu_si512(hg + 64 * j);
       __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
       __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
       for (int r = 0; r < R; ++r) {
-        a[r][0] = dot5_512<0>(a[r][0], v0, h, x[r]);
-        a[r][1] = dot5_512<1>(a[r][1], v1, h, x[r]);
-        a[r][2] = dot5_512<2>(a[r][2], v2, h, x[r]);
-        a[r][3] = dot5_512<3>(a[r][3], v3, h, x[r]);
+        a[r][0] = P::template dot<0>(a[r][0], v0, h, x[r]);
+        a[r][1] = P::template dot<1>(a[r][1], v1, h, x[r]);
+        a[r][2] = P::template dot<2>(a[r][2], v2, h, x[r]);
+        a[r][3] = P::template dot<3>(a[r][3], v3, h, x[r]);
       }
     }
     for (int c = 0; c < 4; ++c) {

@@ -43,7 +43,7 @@ class HeldWeight(NamedTuple):
             return q4ffi.matmul_int4(x, *self[:2], self.mins, n, kind, kernel.isa, kernel.threads, layer=self.layer)
         if self.high is not None:  # signed 5-bit groups
             return q4ffi.matmul_int5_sym(
-                x, self.packed, self.high, self.scale, n, kernel.isa, kernel.threads, self.layer
+                x, self.packed, self.high, self.scale, n, kernel.isa, kernel.threads, self.layer, kernel.int5
             )
         if self.scale.dtype == jnp.float16:  # signed 8-bit groups
             return q4ffi.matmul_int8_sym(x, *self[:2], n, kernel.isa, kernel.threads, layer=self.layer)

@@ -151,8 +151,8 @@ def _int8_group_linear(x: jax.Array, out_dim: int, signed: bool) -> jax.Array:
 
 
 def _int5_linear(x: jax.Array, out_dim: int) -> jax.Array:
-    """x · an Int5Sym [K, out_dim] (K padded to whole groups): hk_w5sa16 with the CPU kernels, else
-    dequantized in the dot (XLA)."""
+    """x · an Int5Sym [K, out_dim] (K padded to whole groups): the spec's 5-bit kernel (hk_w5sa16 or
+    hk_w5sa8) with the CPU kernels, else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
     kernel = dispatch.matmuls()
     if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.pack5)
@@ -160,7 +160,7 @@ def _int5_linear(x: jax.Array, out_dim: int) -> jax.Array:
         w = hk.get_parameter("w", wshape, jnp.uint8, init=jnp.zeros)
         high = hk.get_parameter("high", hshape, jnp.uint8, init=jnp.zeros)
         scale = hk.get_parameter("scale", sshape, jnp.float16, init=jnp.zeros)
-        return q4ffi.matmul_int5_sym(x, w, high, scale, out_dim, kernel.isa, kernel.threads)
+        return q4ffi.matmul_int5_sym(x, w, high, scale, out_dim, kernel.isa, kernel.threads, kind=kernel.int5)
     w = hk.get_parameter("w", [groups * GROUP // 2, out_dim], jnp.uint8, init=jnp.zeros)
     high = hk.get_parameter("high", [groups * GROUP // 8, out_dim], jnp.uint8, init=jnp.zeros)
     scale = hk.get_parameter("scale", [groups, out_dim], jnp.float16, init=jnp.ones)
