@@ -4,6 +4,7 @@ configs and the grok reference reader."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -11,10 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
 from hkserve.checkpoint.grok import config_from_grok, load_grok
+from hkserve.model.build import build_model
 from hkserve.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +65,19 @@ def tiny_config(**changes: Any) -> ModelConfig:
         context_length=256,
     )
     return base.replace(**changes)
+
+
+@functools.cache
+def _init_program(config: ModelConfig):
+    """`build_model(config).init` compiled as one program, once per config in a process (the seed is its
+    argument); the run's compile cache serves it to the other processes."""
+    return jax.jit(build_model(config).init)
+
+
+def init_params(config: ModelConfig, seed: int):
+    """The random params `build_model(config).init(jax.random.PRNGKey(seed))` gives, bit for bit (checked
+    by tests/test_model.py): run eagerly, that init compiled its ops one by one, 4-7 s a call on 2 cores."""
+    return _init_program(config)(jax.random.PRNGKey(seed))
 
 
 def tiny_vq_config(**changes: Any) -> ModelConfig:

@@ -11,9 +11,8 @@ import socket
 import threading
 
 import httpx
-import jax
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
@@ -71,10 +70,9 @@ class WatchedRunner(InferenceRunner):
 
 @pytest.fixture(scope="module")
 def engine(smollm2) -> SteppedEngine:
-    model = build_model(tiny_config(vocab_size=smollm2[2].vocab_size))
-    return SteppedEngine(
-        model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=256, prefill_buckets=(16,))
-    )
+    config = tiny_config(vocab_size=smollm2[2].vocab_size)
+    model = build_model(config)
+    return SteppedEngine(model, init_params(config, 0), EngineOptions(slots=2, max_len=256, prefill_buckets=(16,)))
 
 
 @pytest.fixture

@@ -12,9 +12,8 @@ import time
 
 import anthropic
 import httpx
-import jax
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from http_helpers import FakeRunner, LiveServer, validate
 from sdk_types import strict, strict_message_event, strict_response_event, typed_events
 
@@ -275,7 +274,7 @@ def test_a_client_that_never_reads_its_stream_is_cancelled(serve, tokenizer, lim
 def test_a_request_needing_more_choices_than_the_queue_is_400_and_a_refused_one_releases_its_choices(serve):
     config = tiny_config(vocab_size=96)
     model = build_model(config)
-    engine = Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=1, max_len=64, prefill_buckets=(8,)))
+    engine = Engine(model, init_params(config, 0), EngineOptions(slots=1, max_len=64, prefill_buckets=(8,)))
     runner = InferenceRunner(engine, max_queue=4)  # never started: whatever is queued stays queued
     runner.ready.set()
     server, _ = serve(runner)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.kernels import dispatch, ffi
@@ -121,7 +121,7 @@ def test_kernel_decode_steps_equal_xla_attention_in_the_model(name, kv):
     XLA model's, and the kernel step reads the memory through hk_decode_attention (its bf16 variant for
     --kv-dtype bf16: the memory read as stored, as XLA reads its upcast window of the same bits)."""
     config = CONFIGS[name]
-    f32 = jax.tree_util.tree_map(np.asarray, build_model(config).init(jax.random.PRNGKey(5)))
+    f32 = jax.tree_util.tree_map(np.asarray, init_params(config, 5))
     config, params = convert_params(f32, config, "int8")
     config = config.replace(kv_dtype=kv)
     spec = dispatch.resolve("auto", config.dtype)

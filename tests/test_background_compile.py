@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import threading
 
-import jax
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.api.app import create_app
 from hkserve.engine.background_compile import Compiles
@@ -29,7 +28,7 @@ from hkserve.train.vocab import byte_tokenizer
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(5))
+PARAMS = init_params(CONFIG, 5)
 OPTIONS = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32))  # windows 128, 256
 CUT = 128  # common: contexts up to 128 tokens; rare: the 256 window's step and long prompts' chunks
 SCORING = [(8, 0), (32, 0), (32, 128), (32, 256)]  # a scoring prefill's (bucket, window): one-shot chunks
@@ -203,7 +202,7 @@ def test_after_the_background_compiles_no_kind_of_request_compiles_anything(comp
     """Plain, scored (echo / prompt logprobs), grammar-constrained and a prefix-cached second turn on a
     structured prefix-caching paged engine; then, the same engine speculating, a drafting request."""
     model = build_model(GRAMMAR_CONFIG)
-    engine = Engine(model, model.init(jax.random.PRNGKey(5)), SERVED)
+    engine = Engine(model, init_params(GRAMMAR_CONFIG, 5), SERVED)
     runner, pending = compiled_in_background(engine)
     assert pending > len(SCORING)  # the cut left the windows' programs and scoring for after ready
     grammar = GrammarCompiler(byte_tokenizer(), 300).compile(GrammarSpec("regex", "(ab|cd){2,4}!"))

@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 import sentencepiece as spm
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from llguidance.numpy import fill_next_token_bitmask
 
 from hkserve.api.tools import ToolCallParser, parse_tools
@@ -147,7 +147,7 @@ def tiny_runner(request):
     filled; the GPU default) and fused (one program once the masks are known; the CPU default)."""
     config = tiny_config(vocab_size=300)
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(3))
+    params = init_params(config, 3)
     engine = Engine(model, params, EngineOptions(slots=4, max_len=64, prefill_buckets=(8,), split_masks=request.param))
     runner = InferenceRunner(engine)  # driven by the test: iterate() in this thread
     yield runner

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import re
 
-import jax
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine.constrained import GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
@@ -27,10 +26,9 @@ TOKENIZER = byte_tokenizer()
 
 @pytest.fixture(scope="module")
 def runner():
-    model = build_model(tiny_config(vocab_size=300))
-    engine = Engine(
-        model, model.init(jax.random.PRNGKey(5)), EngineOptions(slots=SLOTS, max_len=64, prefill_buckets=(8,))
-    )
+    config = tiny_config(vocab_size=300)
+    model = build_model(config)
+    engine = Engine(model, init_params(config, 5), EngineOptions(slots=SLOTS, max_len=64, prefill_buckets=(8,)))
     runner = InferenceRunner(engine)  # driven by the test: iterate() in this thread
     runner.prefix = PrefixCache(SLOTS, "off")  # each admission takes the lowest free slot: submission order
     return runner

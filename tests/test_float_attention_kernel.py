@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_paged_attention import _paged, _steps
 
 from hkserve.kernels import dispatch, ffi
@@ -87,7 +87,7 @@ ATOL, RTOL = 1e-5, 0.0
 @pytest.mark.parametrize(("paged", "dtype"), [(False, "float32"), (True, "float32"), (True, "bfloat16")])
 def test_float_kernel_decode_logits_are_close_to_xla_and_greedy_tokens_equal(paged, dtype):
     config = CONFIG.replace(dtype=dtype)
-    params = build_model(config).init(jax.random.PRNGKey(5))
+    params = init_params(config, 5)
     tables = np.random.default_rng(3).permutation(2 * 7 * 2)[:14].reshape(2, 7)  # shuffled blocks of 5
 
     def memory():

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config, tiny_vq_config
+from helpers import init_params, tiny_config, tiny_vq_config
 
 from hkserve.bench.random_models import RANDOM_CONFIGS, random_config, random_params
 from hkserve.checkpoint.quantize import convert_params
@@ -27,7 +27,7 @@ from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(3))
+PARAMS = init_params(CONFIG, 3)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_load_engine_serves_the_backends_default_and_vq_models_their_stored_weig
     store = ModelStore(tmp_path)
     store.save("kv", CONFIG, jax.tree_util.tree_map(np.asarray, PARAMS), None, {})
     vq_config = tiny_vq_config()
-    vq_params = jax.tree_util.tree_map(np.asarray, build_model(vq_config).init(jax.random.PRNGKey(0)))
+    vq_params = jax.tree_util.tree_map(np.asarray, init_params(vq_config, 0))
     store.save("vq", vq_config, vq_params, None, {})
     monkeypatch.setenv("HKSERVE_HOME", str(tmp_path))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

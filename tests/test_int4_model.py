@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import golden_agreement, tiny_config
+from helpers import golden_agreement, init_params, tiny_config
 from test_weights import TEXT
 
 from hkserve.checkpoint.quantize import convert_params
@@ -50,7 +50,7 @@ def logits(config, params, tokens):
 @pytest.mark.parametrize("tied", [False, True])
 def test_int4_model_equals_float_model_of_its_dequantized_weights(tied):
     base = tiny_config(dim=80, tie_embeddings=tied)  # dim 80: the last group of each input is partial
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 0))
     config, params = convert_params(master, base, "int4")
     assert config.dtype == "int4" and params["decoder/layers/attention/q_proj"]["w"].dtype == np.uint8
     floats = dequantized(params, base)
@@ -121,7 +121,7 @@ def test_int4_model_with_kernels_follows_the_xla_int4_model(tied):
     """Kernel mode (auto's int4 kernel in the layer stack, read in place; the untied head outside it; the int8 tied
     head through w8a16) against XLA's int4 model: the int8 activation blocks cost a few tenths of a percent."""
     base = tiny_config(dim=96, ffn_dim=160, tie_embeddings=tied)
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(1)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 1))
     config, params = convert_params(master, base, "int4")
     kernels = dispatch.resolve("auto", "int4")
     assert kernels is not None
@@ -139,7 +139,7 @@ def test_an_int4_request_is_bit_identical_alone_or_among_others_in_the_engine():
     """The Engine serves an int4 model with auto's int4 kernel (prepare, params placed on the mesh, decode steps):
     a request's tokens alone equal its tokens among others."""
     base = tiny_config(vocab_size=256)
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(2)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 2))
     config, params = convert_params(master, base, "int4")
     engine = Engine(build_model(config, dispatch.resolve("auto", "int4")), params, EngineOptions(slots=4, max_len=64))
     runner = InferenceRunner(engine).start(warmup=False)
@@ -159,7 +159,7 @@ def test_the_int4_kernel_model_reads_the_layer_stack_in_place():
     """As int8's (test_kernels.py): the compiled step slices no packed int4 weight, scale or min out of the
     layer stack (a copy of every layer's weight every step)."""
     base = tiny_config()
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 0))
     config, params = convert_params(master, base, "int4")
     model = build_model(config, dispatch.resolve("auto", "int4"))
     params = jax.jit(model.prepare)(params)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import random
 
-import jax
 import llguidance as llg
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine.constrained import JSON_OPTIONS, GrammarCompiler, GrammarSpec
 from hkserve.engine.engine import Engine
@@ -72,8 +71,10 @@ def test_the_tracker_loses_text_the_grammar_would_refuse():
 
 @pytest.fixture(scope="module")
 def tiny_runner():
-    model = build_model(tiny_config(vocab_size=300))
-    engine = Engine(model, model.init(jax.random.PRNGKey(5)), EngineOptions(slots=4, max_len=64, prefill_buckets=(8,)))
+    config = tiny_config(vocab_size=300)
+    engine = Engine(
+        build_model(config), init_params(config, 5), EngineOptions(slots=4, max_len=64, prefill_buckets=(8,))
+    )
     return InferenceRunner(engine)  # driven by the test: iterate() in this thread
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import golden_agreement, tiny_config
+from helpers import golden_agreement, init_params, tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.engine import Engine
@@ -189,7 +189,7 @@ BASE = tiny_config(vocab_size=200, dim=72, ffn_dim=136, tie_embeddings=True)  # 
 
 @functools.cache
 def int8_model():
-    f32 = jax.tree_util.tree_map(np.asarray, build_model(BASE).init(jax.random.PRNGKey(3)))
+    f32 = jax.tree_util.tree_map(np.asarray, init_params(BASE, 3))
     return convert_params(f32, BASE, "int8")
 
 

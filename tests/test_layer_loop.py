@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from family_fixtures import fixture, reference
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_families import TOL, engine_greedy, full_and_cached_logits
 
 from hkserve.checkpoint.hf import load_hf
@@ -42,7 +42,7 @@ def test_loop_matches_transformers_and_the_scan(name):
 def test_engine_holds_one_array_per_layer_and_decodes_as_the_scan():
     config = tiny_config(vocab_size=96)
     scan = build_model(config, layers="scan")
-    params = scan.init(jax.random.PRNGKey(3))
+    params = init_params(config, 3)
     engine = Engine(
         build_model(config, layers="loop"), params, EngineOptions(slots=2, max_len=64, prefill_buckets=(16,))
     )

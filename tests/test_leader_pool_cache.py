@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_leader_replay import RecordingLeader
 
 from hkserve.engine.engine import Engine
@@ -20,7 +20,7 @@ from hkserve.model.sampling import SamplingParams
 from hkserve.multihost.hosts import LeaderEngine, follow
 
 CONFIG = tiny_config(vocab_size=96, context_length=256)
-F32 = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRNGKey(3)))
+F32 = jax.tree_util.tree_map(np.asarray, init_params(CONFIG, 3))
 PROMPT = [(7 * i + 3) % 96 for i in range(70)]
 OTHER = [(5 * i + 1) % 96 for i in range(40)]
 

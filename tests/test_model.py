@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config, tiny_vq_config
+from helpers import init_params, tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -39,6 +40,38 @@ def full_logits(model, params, seq, pad_to: int = 64) -> np.ndarray:
     return np.asarray(logits[0, : len(seq)])
 
 
+INIT_CONFIGS = {  # the digest of its eager init(PRNGKey(7)) (jax 0.10.2)
+    "kv": (tiny_config(vocab_size=96, sliding_window=24, sliding_layers=(True, False)), "27f7a0365cf65f36"),
+    "moe": (tiny_config(n_experts=4), "0c0f370605a281d2"),
+    "vq": (tiny_vq_config(), "b03f2bf098de4417"),
+}
+
+
+def digest(params) -> str:
+    """A hash of every leaf's path, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        h.update(f"{jax.tree_util.keystr(path)} {leaf.dtype} {leaf.shape}".encode())
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", INIT_CONFIGS)
+def test_init_params_are_the_eager_inits_bit_for_bit(name):
+    """The tests' random weights come from one jitted init (helpers.init_params); some tests pick prompts
+    and seeds on these weights, so they must be the eager init's, pinned here (the eager init takes
+    seconds a call: it is compared live by the slow test below)."""
+    config, eager = INIT_CONFIGS[name]
+    assert digest(init_params(config, 7)) == eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", INIT_CONFIGS)
+def test_the_pinned_digests_are_the_eager_inits(name):
+    config, eager = INIT_CONFIGS[name]
+    assert digest(build_model(config).init(jax.random.PRNGKey(7))) == eager
+
+
 def bucket_for(n: int) -> int:
     return next(b for b in BUCKETS if b >= n)
 
@@ -47,7 +80,7 @@ def bucket_for(n: int) -> int:
 def test_cached_decode_equals_full_recompute_with_slots_at_different_positions(experts):
     config = tiny_config(n_experts=experts)
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(1))
+    params = init_params(config, 1)
     rng = np.random.default_rng(0)
     prompt_lens = [7, 8, 9, 16, 17]  # both sides of the 8 and 16 bucket boundaries
     decode_steps = 6
@@ -75,7 +108,7 @@ def test_cached_decode_equals_full_recompute_with_slots_at_different_positions(e
 def test_idle_slots_are_left_untouched_by_a_decode_step():
     config = tiny_config()
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(2))
+    params = init_params(config, 2)
     memory = init_memory(config, 3, 16)
     tokens = np.asarray([[5], [6], [7]], np.int32)
     _, after = model.forward(params, tokens, memory, np.asarray([1, 0, 1], np.int32))
@@ -91,7 +124,7 @@ def test_a_bf16_memory_holds_each_key_rounded_once_and_is_read_as_its_float32_co
     half = with_kv_dtype(config, "bf16")
     assert cache_dtype(half) == jnp.bfloat16 and cache_dtype(config) == jnp.float32
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(4))
+    params = init_params(config, 4)
     forward = jax.jit(model.forward, static_argnames=("attend_len",))
     prompt, lengths = np.asarray([list(range(3, 12)), list(range(20, 29))], np.int32), np.asarray([9, 6], np.int32)
     _, wide = forward(params, prompt, init_memory(config, 2, 16), lengths)
@@ -124,7 +157,7 @@ def test_a_kv_dtype_is_refused_where_it_means_nothing():
 def test_insert_slot_places_a_prefilled_memory_into_the_batch():
     config = tiny_config()
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(3))
+    params = init_params(config, 3)
     seq = list(range(3, 13))
     single = init_memory(config, 1, 16)
     _, single = model.forward(params, jnp.asarray([seq[:9]], jnp.int32), single, jnp.asarray([9], jnp.int32))
@@ -139,7 +172,7 @@ def test_insert_slot_places_a_prefilled_memory_into_the_batch():
 def test_chunked_prefill_over_three_buckets_equals_full_recompute():
     config = tiny_config()
     model = build_model(config)
-    params = model.init(jax.random.PRNGKey(4))
+    params = init_params(config, 4)
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()  # 16 + 16 + 8
     runner = InferenceRunner(Engine(model, params, EngineOptions(slots=2, max_len=128, prefill_buckets=(8, 16)))).start(
         warmup=False

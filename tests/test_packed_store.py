@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, tiny_config
+from helpers import REPO, init_params, tiny_config
 
 from hkserve.checkpoint.orbax_io import save_params
 from hkserve.checkpoint.packed_store import kernel_packing, marker
@@ -31,7 +31,7 @@ CASES = [("int8", True), ("int8", False), ("int4", True), ("int4", False)]
 def _variant(dtype: str, tied: bool):
     """(config, plain numpy params) of a small random model: K and N not multiples of the tiles."""
     base = tiny_config(dim=96, ffn_dim=160, vocab_size=200, tie_embeddings=tied)
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(3)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 3))
     return convert_params(master, base, dtype)
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_attention_kernel import bf16_rounded, reference
 
 from hkserve.checkpoint.quantize import convert_params
@@ -131,7 +131,7 @@ def test_model_on_a_paged_memory_equals_the_static_memory(name, path, kv):
     or the kernel through the table): block size 5 (not dividing the window), shuffled blocks; a bf16
     memory (--kv-dtype bf16) on either layout too."""
     config = CONFIGS[name].replace(kv_dtype=kv)
-    f32 = jax.tree_util.tree_map(np.asarray, build_model(config).init(jax.random.PRNGKey(5)))
+    f32 = jax.tree_util.tree_map(np.asarray, init_params(config, 5))
     kernels = None
     if path == "kernels":
         config, f32 = convert_params(f32, config, "int8")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config, tiny_vq_config
+from helpers import init_params, tiny_config, tiny_vq_config
 
 from hkserve.cli.loading import LoadOptions
 from hkserve.cli.main import build_parser
@@ -22,7 +22,7 @@ CONFIG = tiny_config(context_length=128)
 
 def test_an_engine_built_with_default_options_keeps_its_kv_in_a_pool_of_blocks():
     """The CPU's default pool: what slots x max_len static positions take, in blocks of the default size."""
-    params = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRNGKey(0)))
+    params = jax.tree_util.tree_map(np.asarray, init_params(CONFIG, 0))
     engine = Engine(build_model(CONFIG), params, EngineOptions(slots=2, max_len=128))
     assert engine.kv_layout == "paged" and isinstance(engine.state.memory, PagedKVMemory)
     assert engine.kv_pool is not None and engine.kv_pool.total == 2 * 128 // DEFAULT_BLOCK_SIZE

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.checkpoint.quantize import convert_params
 from hkserve.engine.block_pool import BlockPool
@@ -26,7 +26,7 @@ from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96, sliding_window=24, sliding_layers=(True, False))
-F32 = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRNGKey(7)))
+F32 = jax.tree_util.tree_map(np.asarray, init_params(CONFIG, 7))
 
 
 def make_runner(path: str, layout: str, slots: int = 4, kv: str = "auto", **engine_args) -> InferenceRunner:

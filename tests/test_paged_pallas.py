@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from jax import export
 from test_attention_kernel import bf16_rounded, reference
 from test_paged_attention import paged_copy
@@ -158,7 +158,7 @@ def test_model_logits_through_the_kernel_equal_the_gather_path(changes, monkeypa
     """The kernel (interpreted) inside the per-layer loop a GPU runs (model/layer_loop.py) against XLA's
     gather in the layer scan: the same decode logits to float32 rounding."""
     config = tiny_config(**changes)
-    params = build_model(config).init(jax.random.PRNGKey(5))
+    params = init_params(config, 5)
     if config.attn_sinks:  # learned sinks, not zeros: they must reach the kernel's softmax
         sinks = params["decoder/layers/attention"]["sinks"]
         params["decoder/layers/attention"]["sinks"] = sinks + jnp.linspace(-1.0, 2.0, sinks.size).reshape(sinks.shape)

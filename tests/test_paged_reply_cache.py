@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine import block_cache
 from hkserve.engine.engine import Engine
@@ -21,7 +21,7 @@ from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96, sliding_window=24, sliding_layers=(True, False), context_length=384)
-F32 = jax.tree_util.tree_map(np.asarray, build_model(CONFIG).init(jax.random.PRNGKey(7)))
+F32 = jax.tree_util.tree_map(np.asarray, init_params(CONFIG, 7))
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i + 3) % 96 for i in range(100)]  # 6 full blocks of 16 and 4 tokens
 OTHER = [(5 * i + 1) % 96 for i in range(100)]  # the request between the turns (no common prefix)

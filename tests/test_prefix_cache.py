@@ -8,11 +8,10 @@ import random
 import threading
 import types
 
-import jax
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, events, token_ids
-from helpers import tiny_config, tiny_vq_config
+from helpers import init_params, tiny_config, tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -26,7 +25,7 @@ from hkserve.multihost.hosts import LeaderEngine, follow
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(7))
+PARAMS = init_params(CONFIG, 7)
 RNG = random.Random(17)
 SYSTEM = [RNG.randrange(96) for _ in range(150)]  # a shared prefix longer than two exact chunks
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import random
 
-import jax
 import numpy as np
 import pytest
 from fake_engine import events, token_ids
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -22,7 +21,7 @@ from hkserve.model.sampling import SamplingParams
 
 VOCAB = 96
 MODEL = build_model(tiny_config(vocab_size=VOCAB))
-PARAMS = MODEL.init(jax.random.PRNGKey(11))
+PARAMS = init_params(MODEL.config, 11)
 RNG = random.Random(38)
 SYSTEM = [RNG.randrange(VOCAB) for _ in range(150)]  # longer than two exact-mode chunks of 64
 PENALIZED = SamplingParams(repetition_penalty=1.6, presence_penalty=1.5, frequency_penalty=0.5)

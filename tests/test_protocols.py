@@ -8,10 +8,9 @@ from __future__ import annotations
 import inspect
 import types
 
-import jax
 import pytest
 from fake_engine import FakeEngine
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from http_helpers import FakeRunner
 
 from hkserve.engine.engine import Engine
@@ -51,8 +50,10 @@ def missing(obj, protocol) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine():
-    model = build_model(tiny_config())
-    return Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=64, prefill_buckets=(16,)))
+    config = tiny_config()
+    return Engine(
+        build_model(config), init_params(config, 0), EngineOptions(slots=2, max_len=64, prefill_buckets=(16,))
+    )
 
 
 def test_the_protocols_name_what_the_runner_and_the_api_use():

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_int4 import source
 from test_int4_model import logits
 from test_kernels import ISAS, SMOLLM2, quantize_rows
@@ -119,7 +119,7 @@ def test_an_int4_packed_weight_is_refused_by_the_8_bit_kernel():
 def mixed_int4(tied: bool):
     """A tiny int4 model whose v_proj, down_proj (and untied head) are 8-bit groups, as a GGUF mix's."""
     base = tiny_config(dim=96, ffn_dim=160, tie_embeddings=tied)
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(1)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 1))
     config, params = convert_params(master, base, "int4")
     eight = ("v_proj", "down_proj") + (() if tied else ("lm_head",))
     for module in params:

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -23,7 +23,7 @@ from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(7))
+PARAMS = init_params(CONFIG, 7)
 PROMPT = [5, 17, 33, 2, 64, 9, 11]
 
 

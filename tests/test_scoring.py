@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from http_helpers import LiveServer
 
 from hkserve.api.app import create_app
@@ -20,7 +20,7 @@ from hkserve.model.memory import init_memory
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(3))
+PARAMS = init_params(CONFIG, 3)
 LONG_PROMPT = [(7 * i + 3) % 96 for i in range(40)]  # three chunks of the largest bucket (16)
 NAME = "smollm2-135m-instruct"
 

@@ -3,11 +3,10 @@ verify step (tokens identical to plain decoding, logprobs equal) with every samp
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config, tiny_vq_config
+from helpers import init_params, tiny_config, tiny_vq_config
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hkserve.api.spec_metrics import register
@@ -95,9 +94,7 @@ def test_policy_turns_a_slot_off_when_it_does_not_pay_and_probes_again_later():
 def tiny():
     config = tiny_config()
     model = build_model(config)
-    engine = Engine(
-        model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=2, max_len=96, prefill_buckets=(16, 64))
-    )
+    engine = Engine(model, init_params(config, 0), EngineOptions(slots=2, max_len=96, prefill_buckets=(16, 64)))
     # Always drafting (min_tokens 0): the random model accepts little, and the test is the rule.
     return engine, SpeculativeEngine(engine, SpecConfig(k=4, min_tokens=0.0, max_batch=2))
 
@@ -157,7 +154,7 @@ def test_a_vq_memory_is_refused():
     config = tiny_vq_config()
     model = build_model(config)
     with pytest.raises(ValueError, match="KV memory"):
-        SpeculativeEngine(Engine(model, model.init(jax.random.PRNGKey(0)), EngineOptions(slots=1, max_len=64)))
+        SpeculativeEngine(Engine(model, init_params(config, 0), EngineOptions(slots=1, max_len=64)))
 
 
 def test_metrics_report_drafted_and_accepted_tokens(tiny):

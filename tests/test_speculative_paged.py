@@ -6,10 +6,9 @@ still reply as alone, the pool's invariants holding after every pass."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_speculative import fills_context_as_plain, verify_equals_plain
 
 from hkserve.engine.engine import Engine
@@ -23,7 +22,7 @@ from hkserve.model.build import build_model
 from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config()
-PARAMS = build_model(CONFIG).init(jax.random.PRNGKey(0))
+PARAMS = init_params(CONFIG, 0)
 BLOCK = 8  # small blocks: a verify step's drafts often cross into a block the row did not hold yet
 ALWAYS = SpecConfig(k=4, min_tokens=0.0, max_batch=4)  # always drafting: the test is the rule
 

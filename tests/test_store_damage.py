@@ -7,11 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
+from helpers import init_params
 
 from hkserve.checkpoint.store import DamagedModel, ModelStore
-from hkserve.model.build import build_model
 from hkserve.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def store(tmp_path) -> ModelStore:
     store = ModelStore(tmp_path)
-    params = build_model(CONFIG).init(jax.random.PRNGKey(0))
+    params = init_params(CONFIG, 0)
     for name in ("good", "broken-config", "truncated"):
         store.save(name, CONFIG, params, None, {"format": "test"})
     (store.path("broken-config") / "config.json").write_text('{"vocab_size": 64, "dim": ')
@@ -46,7 +45,7 @@ def test_list_keeps_the_readable_models_and_names_the_damaged(store):
         store.params("truncated")
     with pytest.raises(DamagedModel, match="is missing"):
         ModelStore._restore(store.info("good"), store.path("good") / "nowhere", CONFIG, None)
-    assert set(store.params("good")) == set(build_model(CONFIG).init(jax.random.PRNGKey(0)))
+    assert set(store.params("good")) == set(init_params(CONFIG, 0))
 
 
 def test_cli_lists_what_it_can_and_fails_in_one_line(store):

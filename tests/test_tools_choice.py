@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from http_helpers import FakeRunner
 
 from hkserve.api.app import create_app
@@ -93,10 +92,9 @@ def test_without_parallel_calls_the_grammar_refuses_a_second_call_and_allows_onl
 
 @pytest.fixture(scope="module")
 def tiny_client():
-    model = build_model(tiny_config(vocab_size=300, context_length=512))
-    engine = Engine(
-        model, model.init(jax.random.PRNGKey(9)), EngineOptions(slots=2, max_len=512, prefill_buckets=(256,))
-    )
+    config = tiny_config(vocab_size=300, context_length=512)
+    model = build_model(config)
+    engine = Engine(model, init_params(config, 9), EngineOptions(slots=2, max_len=512, prefill_buckets=(256,)))
     runner = InferenceRunner(engine)
     runner.start(warmup=False)
     try:

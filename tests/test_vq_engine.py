@@ -9,7 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_vq_config
+from helpers import init_params, tiny_vq_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -21,7 +21,7 @@ from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_vq_config(vocab_size=96, context_length=4096)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(3))
+PARAMS = init_params(CONFIG, 3)
 PROMPT = [5, 17, 33, 2, 64, 9, 11, 40, 3, 77]
 
 

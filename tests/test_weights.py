@@ -7,7 +7,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from test_sharding import assert_meshes_agree, run_worker
 
 from hkserve.checkpoint.quantize import convert_params, quantize_int8
@@ -41,9 +41,7 @@ def test_int8_steps_read_int8_weights_without_a_float_copy():
     """The compiled decode step converts int8 weights inside fusions only (never a standalone f32 array),
     including the vocabulary head that is computed block by block."""
     base = tiny_config(vocab_size=16384, tie_embeddings=True)
-    config, params = convert_params(
-        jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0))), base, "int8"
-    )
+    config, params = convert_params(jax.tree_util.tree_map(np.asarray, init_params(base, 0)), base, "int8")
     model = build_model(config)
     memory = init_memory(config, 2, 32)
     hlo = (
