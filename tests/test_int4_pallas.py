@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 from jax import export
 from test_int4_model import logits
 
 from hkserve.checkpoint.quantize import convert_params
-from hkserve.model.build import build_model
 from hkserve.model.int4 import dequantize, quantize_int4
 from hkserve.model.int4_pallas import KERNEL_ENV, int4_matmul, kernel_choice
 
@@ -77,7 +76,7 @@ def test_dispatch_chooses_by_env_and_falls_back_with_a_log_line(monkeypatch, cap
 
 def test_an_int4_model_through_the_kernel_gives_xlas_logits(monkeypatch):
     base = tiny_config(dim=80, tie_embeddings=False)  # dim 80: each input's last group is partial
-    master = jax.tree_util.tree_map(np.asarray, build_model(base).init(jax.random.PRNGKey(0)))
+    master = jax.tree_util.tree_map(np.asarray, init_params(base, 0))
     config, params = convert_params(master, base, "int4")
     tokens = np.random.default_rng(0).integers(0, 128, (2, 7)).astype(np.int32)
     xla = logits(config, params, tokens)

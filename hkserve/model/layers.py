@@ -169,7 +169,8 @@ def _int5_linear(x: jax.Array, out_dim: int) -> jax.Array:
 
 def _int4_linear(x: jax.Array, out_dim: int) -> jax.Array:
     """x · an Int4Weight [K, out_dim] (K padded to whole groups): the spec's int4 kernel (hk_w4a16 or
-    hk_w4a8) with the CPU kernels, else dequantized in the dot (XLA)."""
+    hk_w4a8) with the CPU kernels, else the Pallas kernel where HKSERVE_INT4_MATMUL asks for it
+    (int4_pallas.py), else dequantized in the dot (XLA)."""
     groups = -(-x.shape[-1] // GROUP)
     kernel = dispatch.matmuls()
     if kernel is not None:  # CPU kernels: the layout `prepare` packed (kernels/pack4.py)
