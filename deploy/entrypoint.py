@@ -42,6 +42,7 @@ READ_BY_HKSERVE = frozenset(
         "HKSERVE_KERNEL_ISA",  # kernels/dispatch.py (avx2: force the AVX2 paths)
         "HKSERVE_KERNEL_CACHE",  # kernels/build.py (tests: one library for every store)
         "HKSERVE_PAGED_ATTENTION",  # model/paged_memory.py: the paged decode's attention path (A/B)
+        "HKSERVE_INT4_MATMUL",  # model/int4_pallas.py: int4 linears through XLA or the Pallas kernel (GPUs)
         "HKSERVE_XLA_DEFAULTS",  # cli/xla_flags.py
         "HKSERVE_TRAIN_KILL_AFTER_STEP",  # train/loop.py (tests)
         "HKSERVE_TEST_HOME",  # tests/conftest.py
