@@ -101,7 +101,8 @@ class Tokenizer:
         markers a reply parser reads, such as Mistral's `[TOOL_CALLS]`). An id past the tokenizer's
         vocabulary (a model's padded embedding rows, which sampling can reach) has no text, as in HF
         `tokenizers`; sentencepiece would raise and end the reply's stream."""
-        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        size = self.vocab_size  # once: decode runs for every streamed token
+        ids = [i for i in map(int, ids) if 0 <= i < size]
         if self.kind == "hf":
             if skip_special and keep:
                 ids, skip_special = [i for i in ids if i in keep or i not in self._special_ids], False
