@@ -46,7 +46,9 @@ if ((DRY)); then
     QUANT_DOT=(--k 256 --n 512 --layers 2 --rows 1,2 --iters 2 --repeats 1)
     QUANT_SIZES=(--slots 1,2 --hf-batches 1 --steps 3 --repeats 1 --max-len 128 --bandwidth-mb 64 --matmul-n 256)
     QUANT_ENGINES=(bf16 int4-pallas)  # the loop's two kinds of run (int8 and int4 differ from them by --dtype alone)
-    STARTUP=(--weights f32 --slots 2 --max-len 128)  # float32: bf16 programs compile slowly on a CPU
+    # float32: bf16 programs compile slowly on a CPU; 1 slot of 32 tokens: the fewest programs a cold start
+    # compiles (tests/test_startup.py checks cold and warm starts of serve's usual tiny shape)
+    STARTUP=(--weights f32 --slots 1 --max-len 32)
 else
     export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
     RANDOM_MODEL=llama3.2-1b

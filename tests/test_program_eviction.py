@@ -14,7 +14,7 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.cli import serve
 from hkserve.cli.main import build_parser
@@ -30,7 +30,7 @@ from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(5))
+PARAMS = init_params(CONFIG, 5)  # the eager init's values, one jitted compile per process
 OPTIONS = EngineOptions(slots=2, max_len=256, prefill_buckets=(8, 32))  # windows 128, 256
 LONG = np.random.default_rng(2).integers(0, 96, 200).tolist()  # 7 chunks, reaching the 256 window
 TURN = np.random.default_rng(3).integers(0, 96, 40).tolist()

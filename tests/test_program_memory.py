@@ -10,9 +10,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-import jax
 import pytest
-from helpers import tiny_config
+from helpers import init_params, tiny_config
 
 from hkserve.engine.engine import Engine
 from hkserve.engine.options import EngineOptions
@@ -26,7 +25,7 @@ from hkserve.model.sampling import SamplingParams
 
 CONFIG = tiny_config(vocab_size=96)
 MODEL = build_model(CONFIG)
-PARAMS = MODEL.init(jax.random.PRNGKey(5))
+PARAMS = init_params(CONFIG, 5)  # the eager init's values, one jitted compile per process
 OPTIONS = EngineOptions(slots=2, max_len=128, prefill_buckets=(8, 32))
 
 
