@@ -23,8 +23,8 @@ STAGES = (
     "profile-llama-1b",
     "bench-smollm2",
     "paged-attention",
-    "quant-weights",
     "startup",
+    "quant-weights",
 )
 
 
@@ -47,6 +47,7 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
         "HKSERVE_SHARED": str(SHARED),
         "PYTHON": sys.executable,
         "OUT": str(out),
+        "DEVICE_CHECK_LIMITS": "golden-tests=199 nonexistent=5",  # one stage's limit overridden
     }
     run("scripts/device-wheels.sh", "--gguf", str(gguf), "--skip-wheels", env=env)
     halves = (dev / "part1" / "smollm2.gguf.part1").read_bytes() + (dev / "part2" / "smollm2.gguf.part2").read_bytes()
@@ -80,6 +81,9 @@ def test_dry_run_goes_through_every_stage_and_writes_the_json(tmp_path):
     assert set(profile) == {"1", "2"} and profile["1"]["ms_per_step"]["pipelined"] > 0
     assert "profile: random:tiny-llama" in result.stdout
     assert "== summary" in result.stdout and "batch-1 limit" in result.stdout
+    assert "== golden-tests (at most 199 s)" in result.stdout and "== startup (at most 300 s)" in result.stdout
+    order = [line.split(" (at most")[0][3:] for line in result.stdout.splitlines() if " (at most " in line]
+    assert order == list(STAGES), order
     paged = summary["paged_attention"]  # the Pallas kernel interpreted on the CPU vs XLA's gather
     assert paged["kernel"] == "interpret" and paged["kernel_used"] and set(paged["rows"]) == {"1", "2"}
     assert all(r["greedy_equal"] and r["pallas_ms"] > 0 and r["xla_ms"] > 0 for r in paged["rows"].values())
