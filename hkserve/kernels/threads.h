@@ -41,13 +41,14 @@ struct Work {
 };
 
 // Adjacent tiles a work item takes (parallel_runs). Where a product has many tiles (Gemma 3's 262,144-
-// column head: 4,096 tiles of 40 KB, 168 MB a call) each thread takes runs of 1/8 of its share, so it
-// streams long stretches of the weight (its prefetches 4 KiB ahead land in its own next tile, not in one
-// the other thread takes) and the shared counter is touched 16 times a call instead of 4,096. Batch-1
-// head A/B (scripts/head_ab.py, docs/benchmarks.md): runs reached 2.9 ms a call, tile by tile never
-// below 4.0. Products whose runs would be under a MiB (every layer here) keep one tile an item.
+// column head: 4,096 tiles of 40 KB, 168 MB a call) each item is a run of about 2 MiB (51 tiles), so a
+// thread streams long stretches of the weight (its prefetches 4 KiB ahead land in its own next tile, not
+// in one the other thread takes) and the shared counter moves 80 times a call instead of 4,096; a run is
+// short enough (~0.1 ms) that a helper preempted in one delays the call little more than it would in a
+// tile. Batch-1 head A/B (scripts/head_ab.py, docs/benchmarks.md): runs reached 2.9 ms a call, tile by tile
+// never below 4.0. Runs of under a MiB (every layer product here: too few tiles) stay single tiles.
 inline int64_t tile_run(int64_t tiles, int64_t tile_bytes, int64_t threads) {
-  int64_t run = tiles / (8 * threads);
+  int64_t run = std::min((int64_t{2} << 20) / tile_bytes, tiles / (8 * threads));
   return run * tile_bytes >= (int64_t{1} << 20) ? run : 1;
 }
 
