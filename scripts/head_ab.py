@@ -2,11 +2,12 @@
 262,144 x 640 int8 weight (168 MB, streamed from memory every call), this tree's kernel against a base
 revision's (default b1b386d), on XLA's thread pool as the engine calls it (threads 0: the pool's).
 
-The base library is compiled from `git show BASE:...` (q5_kernel_ab.build_base) and its HkW8A16 registered
-as another FFI target; both sides read the same packed weight. Each round times both sides in turn, order
-swapped every round; the machine is shared, so only the per-round ratios base / new mean anything: their
-median and spread (max / min) per case, and each side's minimum wall time (with GB/s of weight read).
-Outputs are checked equal bit for bit (the change must only move where the work runs).
+The base library is compiled from `git show BASE:...` (q5_kernel_ab.build_base; its alternating rounds
+too) and its HkW8A16 registered as another FFI target; both sides read the same packed weight. Each round
+times both sides in turn, order swapped every round; the machine is shared, so only the per-round ratios
+base / new mean anything: their median and spread (max / min) per case, and each side's minimum wall time
+(with GB/s of weight read). Outputs are checked equal bit for bit (the change must only move where the
+work runs).
 Usage: python scripts/head_ab.py [--base REV] [--rounds N] [--calls N] [--rows 1] [--isa avx2,avx512vnni]
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from q5_kernel_ab import build_base
+from q5_kernel_ab import alternate, build_base
 
 from hkserve.kernels import ffi
 
@@ -63,32 +64,19 @@ def main() -> None:
     print(f"base {args.base}, head {args.n} x {K}, load average before: {os.getloadavg()}")
     print("| ISA | rows | base ms (min) | new ms (min) | GB/s base / new | base / new: median | spread | rounds |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for isa in (names[s] for s in args.isa.split(",")):
-        if isa > ffi.cpu_isa():
-            continue
-        for rows in map(int, args.rows.split(",")):
-            x = jnp.asarray(rng.standard_normal((rows, K), np.float32))
-            fns = {side: head_fn(t, isa, args.n) for side, t in sides.items()}
-            outs = {side: np.asarray(fn(x, w, scale)) for side, fn in fns.items()}
-            assert np.array_equal(outs["base"], outs["new"]), "base and new differ"
-            best, ratios = {s: float("inf") for s in sides}, []
-            for r in range(args.rounds):
-                this = {}
-                for side in sorted(sides, reverse=r % 2 == 1):
-                    t = float("inf")
-                    for _ in range(args.calls):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(fns[side](x, w, scale))
-                        t = min(t, time.perf_counter() - t0)
-                    this[side] = t
-                    best[side] = min(best[side], t)
-                ratios.append(this["base"] / this["new"])
-            gbs = " / ".join(f"{w.size / best[s] / 1e9:.1f}" for s in ("base", "new"))
-            print(
-                f"| {ffi.ISA_NAMES[isa]} | {rows} | {best['base'] * 1e3:.3f} | {best['new'] * 1e3:.3f} | {gbs} | "
-                f"{statistics.median(ratios):.3f} | {max(ratios) / min(ratios):.3f} | {len(ratios)} |",
-                flush=True,
-            )
+    isas = [names[s] for s in args.isa.split(",") if names[s] <= ffi.cpu_isa()]
+    for isa, rows in ((isa, rows) for isa in isas for rows in map(int, args.rows.split(","))):
+        x = jnp.asarray(rng.standard_normal((rows, K), np.float32))
+        fns = {side: head_fn(t, isa, args.n) for side, t in sides.items()}
+        base, new = (np.asarray(fn(x, w, scale)) for fn in fns.values())
+        assert np.array_equal(base, new), "base and new differ"
+        best, ratios = alternate(fns, (x, w, scale), args.rounds, args.calls, time.perf_counter)
+        gbs = " / ".join(f"{w.size / best[s] / 1e9:.1f}" for s in ("base", "new"))
+        print(
+            f"| {ffi.ISA_NAMES[isa]} | {rows} | {best['base'] * 1e3:.3f} | {best['new'] * 1e3:.3f} | {gbs} | "
+            f"{statistics.median(ratios):.3f} | {max(ratios) / min(ratios):.3f} | {len(ratios)} |",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()}")
 
 
