@@ -85,6 +85,25 @@ def step_fn(target: str, isa: int, threads: int):
     return run
 
 
+def alternate(fns: dict, operands: tuple, rounds: int, calls: int, clock) -> tuple[dict, list]:
+    """Time fns["base"] and fns["new"] on the same operands in turn, order swapped every round; each side's
+    figure a round is its minimum over `calls` calls. → (each side's minimum over all rounds, the rounds'
+    base / new ratios)"""
+    best, ratios = dict.fromkeys(fns, float("inf")), []
+    for r in range(rounds):
+        this = {}
+        for side in sorted(fns, reverse=r % 2 == 1):
+            t = float("inf")
+            for _ in range(calls):
+                t0 = clock()
+                jax.block_until_ready(fns[side](*operands))
+                t = min(t, clock() - t0)
+            this[side] = t
+            best[side] = min(best[side], t)
+        ratios.append(this["base"] / this["new"])
+    return best, ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="f8aa954")
@@ -122,18 +141,7 @@ def main() -> None:
                 assert err < 0.02, f"hk_w5sa8 is {err:.3g} off hk_w5sa16"
             else:
                 assert np.array_equal(outs["base"], outs["new"]), "base and new differ"
-            best, ratios = {s: float("inf") for s in sides}, []
-            for r in range(args.rounds):
-                this = {}
-                for side in sorted(sides, reverse=r % 2 == 1):
-                    t = float("inf")
-                    for _ in range(args.calls):
-                        t0 = clock()
-                        jax.block_until_ready(fns[side](x, parts))
-                        t = min(t, clock() - t0)
-                    this[side] = t
-                    best[side] = min(best[side], t)
-                ratios.append(this["base"] / this["new"])
+            best, ratios = alternate(fns, (x, parts), args.rounds, args.calls, clock)
             print(
                 f"| {ffi.ISA_NAMES[isa]} | {rows} | {best['base'] * 1e3:.3f} | {best['new'] * 1e3:.3f} | "
                 f"{statistics.median(ratios):.3f} | {max(ratios) / min(ratios):.3f} | {len(ratios)} |",

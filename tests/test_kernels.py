@@ -93,6 +93,19 @@ def test_kernel_equals_float64_reference(shape, kind, isa):
         check(y, xs, w, scale)
 
 
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_many_tiles_in_runs_of_adjacent_ones_cover_every_tile_once(threads):
+    """A product of many 256 KiB tiles (70: runs of 4 tiles on two threads, 8 on one, a short last run;
+    kernels/threads.h tile_run) equals the float64 reference, and a row alone equals itself among 3."""
+    k, n = 4096, 64 * 69 + 10
+    x, w, scale = case(3, k, n)
+    packed = pack.pack(jnp.asarray(w))
+    call = jax.jit(lambda x, w, s: ffi.matmul(x, w, s, "w8a16", ISAS[0], threads=threads))
+    y = call(x, packed, scale)
+    check(y, quantize_rows(x, *QUANTIZED["w8a16"]), w, scale)
+    np.testing.assert_array_equal(call(x[1:2], packed, scale), y[1:2])
+
+
 @pytest.mark.parametrize("kind", ["w8a8", "w8a16", "w8a32"])
 def test_a_stacked_weight_is_read_at_its_layer_index(kind):
     """A layer stack [L, ...] with the scan's index gives exactly what each layer's own weight gives."""

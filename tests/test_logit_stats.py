@@ -12,6 +12,14 @@ from hkserve.kernels import dispatch, ffi
 from hkserve.model.sampling import SamplingParams, TokenHistory, make_settings, sample
 
 
+def chunk_maxima(x: np.ndarray, chunk: int) -> np.ndarray:
+    """The largest value of each `chunk` values of each row (-inf past the row's end; NaN where a chunk has
+    one): sampling.top_k's first stage."""
+    b, v = x.shape
+    n = -(-v // chunk)
+    return np.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-np.inf).reshape(b, n, chunk).max(-1)
+
+
 def reference(x: np.ndarray, bias: np.ndarray):
     """row max, log sum exp(x - max) in float64, and the first index of the largest float32 x + bias; a row
     with a NaN: NaN, NaN, V - 1."""
@@ -50,15 +58,26 @@ def logits_with_edge_rows(b: int, v: int, seed: int) -> tuple[np.ndarray, np.nda
     return x, bias
 
 
-@pytest.mark.parametrize(("b", "v"), [(1, 49152), (7, 17), (16, 1000), (2, 5), (17, 8), (6, 4099)])
+@pytest.mark.parametrize(("b", "v"), [(1, 49152), (7, 17), (16, 1000), (2, 5), (17, 8), (6, 4099), (1, 262144)])
 def test_logit_stats_equal_the_float64_reference(b, v):
     x, bias = logits_with_edge_rows(b, v, seed=b * v)
-    row_max, log_total, greedy = map(np.asarray, jax.jit(ffi.logit_stats)(x, bias))
+    row_max, log_total, greedy, maxima = map(np.asarray, jax.jit(ffi.logit_stats)(x, bias))
     want_max, want_total, want_greedy = reference(x, bias)
+    np.testing.assert_array_equal(maxima, chunk_maxima(x, 256))
     np.testing.assert_array_equal(row_max, want_max)
     np.testing.assert_array_equal(greedy, want_greedy)
     np.testing.assert_array_equal(np.isnan(log_total), np.isnan(want_total))
     np.testing.assert_allclose(log_total, want_total, atol=2e-6, rtol=2e-7)
+
+
+@pytest.mark.parametrize("chunk", [8, 24, 1000])
+def test_chunk_maxima_at_any_chunk_size(chunk):
+    """Chunks that do not divide V (a short last one), with the edge rows' NaN, -inf and ties."""
+    x, bias = logits_with_edge_rows(6, 4099, seed=chunk)
+    maxima = jax.jit(ffi.logit_stats, static_argnames="chunk")(x, bias, chunk=chunk)[3]
+    np.testing.assert_array_equal(np.asarray(maxima), chunk_maxima(x, chunk))
+    with pytest.raises(Exception, match="multiple of 8"):
+        jax.jit(ffi.logit_stats, static_argnames="chunk")(x, bias, chunk=12)[0].block_until_ready()
 
 
 def test_a_rows_stats_do_not_depend_on_the_other_rows():
@@ -88,9 +107,9 @@ ROWS = {  # what each of a batch's rows asks; the sampler's branches run when so
 }
 
 
+@pytest.mark.parametrize("vocab", [3000, 6000])  # 6000: 24 chunks, top_k takes the kernel's chunk maxima
 @pytest.mark.parametrize("rows", list(ROWS))
-def test_sample_with_the_kernel_equals_sample_without(rows):
-    vocab = 3000
+def test_sample_with_the_kernel_equals_sample_without(rows, vocab):
     settings = jax.tree_util.tree_map(jnp.asarray, make_settings(ROWS[rows], vocab))
     b = settings.temperature.shape[0]
     rng = np.random.default_rng(11)

@@ -122,19 +122,24 @@ def decode_attention(
     )
 
 
-def logit_stats(x: jax.Array, bias: jax.Array, threads: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logit_stats(
+    x: jax.Array, bias: jax.Array, threads: int = 0, chunk: int = 256
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """What sampling reads of whole vocabulary rows (kernels/logits.cc), x and bias [B, V] float32 →
     (row_max [B] float32, log_total [B] float32: log sum exp(x - row_max), greedy [B] int32: the first
-    index of the largest x + bias); a row with a NaN gives NaN, NaN and V - 1."""
+    index of the largest x + bias, chunk_max [B, ceil(V / chunk)] float32: the largest x of each `chunk`
+    values, sampling.top_k's first stage); a row with a NaN gives NaN, NaN and V - 1 (and NaN for each
+    chunk holding one). chunk: a multiple of 8."""
     if library() is None:
         raise RuntimeError("the kernel library is not available on this machine")
-    b = x.shape[0]
+    b, v = x.shape
     call = jax.ffi.ffi_call(
         LOGIT_STATS[0],
         (
             jax.ShapeDtypeStruct((b,), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, -(-v // chunk)), jnp.float32),
         ),
     )
-    return call(x.astype(jnp.float32), bias.astype(jnp.float32), threads=np.int64(threads))
+    return call(x.astype(jnp.float32), bias.astype(jnp.float32), chunk=np.int64(chunk), threads=np.int64(threads))

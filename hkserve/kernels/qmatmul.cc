@@ -287,7 +287,8 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     int64_t t = item / groups, r = item % groups * span, end = std::min(p.m, r + span);
     isa == 2 ? run_tile<2, A>(p, t, r, end) : run_tile<1, A>(p, t, r, end);
   };
-  hk::parallel_tiles(pool, tiles * groups, threads, body);
+  // A tile with all the rows (one group): tiles in runs of adjacent ones where they are many (the head).
+  hk::parallel_runs(pool, tiles * groups, groups == 1 ? hk::tile_run(tiles, p.kp * NT, threads) : 1, threads, body);
   return ffi::Error::Success();
 }
 

@@ -40,6 +40,18 @@ struct Work {
   std::atomic<bool> closed{false};
 };
 
+// Adjacent tiles a work item takes (parallel_runs). Where a product has many tiles (Gemma 3's 262,144-
+// column head: 4,096 tiles of 40 KB, 168 MB a call) each item is a run of about 2 MiB (51 tiles), so a
+// thread streams long stretches of the weight (its prefetches 4 KiB ahead land in its own next tile, not
+// in one the other thread takes) and the shared counter moves 80 times a call instead of 4,096; a run is
+// short enough (~0.1 ms) that a helper preempted in one delays the call little more than it would in a
+// tile. Batch-1 head A/B (scripts/head_ab.py, docs/benchmarks.md): runs reached 2.9 ms a call, tile by tile
+// never below 4.0. Runs of under a MiB (every layer product here: too few tiles) stay single tiles.
+inline int64_t tile_run(int64_t tiles, int64_t tile_bytes, int64_t threads) {
+  int64_t run = std::min((int64_t{2} << 20) / tile_bytes, tiles / (8 * threads));
+  return run * tile_bytes >= (int64_t{1} << 20) ? run : 1;
+}
+
 template <typename F>
 inline void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads, const F& body) {
   int64_t helpers = std::min<int64_t>(threads - 1, tiles - 1);
@@ -63,6 +75,19 @@ inline void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads
   for (int spins = 0; work->active.load() != 0; ++spins) {  // only helpers already running a tile
     if (spins > 1000) std::this_thread::yield();
   }
+}
+
+}  // namespace hk
+
+namespace hk {
+
+// parallel_tiles over runs of `run` adjacent items: body(t) for every t < items, a run on one thread, in
+// order.
+template <typename F>
+inline void parallel_runs(ffi::ThreadPool& pool, int64_t items, int64_t run, int64_t threads, const F& body) {
+  parallel_tiles(pool, (items + run - 1) / run, threads, [&body, items, run](int64_t item) {
+    for (int64_t t = item * run, last = std::min(items, t + run); t < last; ++t) body(t);
+  });
 }
 
 }  // namespace hk

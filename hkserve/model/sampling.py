@@ -195,17 +195,22 @@ def _penalize(logits: jax.Array, settings: SampleSettings, history: TokenHistory
     return logits - settings.presence_penalty[:, None] * (counts > 0)
 
 
-def top_k(x: jax.Array, k: int, chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+TOP_CHUNK = 256  # top_k's chunk: the logit-stats kernel reads its maxima in the pass it makes anyway
+
+
+def top_k(x: jax.Array, k: int, chunk: int = TOP_CHUNK, maxima: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k over the last axis, ties included (the lower index first), in two stages: the k chunks
     of `chunk` values with the largest maxima hold the k largest values, so top_k runs over the chunk
     maxima and then over those k chunks only. XLA's CPU TopK over [16, 49152] took 0.83 ms (k 5) and
-    0.88 ms (k 20); this 0.11 and 0.24. → (values [B, k], ids [B, k] int32)"""
+    0.88 ms (k 20); this 0.11 and 0.24. maxima: the chunk maxima [B, ceil(V / chunk)] where a kernel
+    already read them (ffi.logit_stats), else XLA reduces x. → (values [B, k], ids [B, k] int32)"""
     b, v = x.shape
     n_chunks = -(-v // chunk)
     if n_chunks < 4 * k:  # small vocabularies: nothing to gain
         return jax.lax.top_k(x, k)
     chunks = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - v)), constant_values=-jnp.inf).reshape(b, n_chunks, chunk)
-    _, best = jax.lax.top_k(chunks.max(-1), k)  # [B, k] chunks, the lower index first among equal maxima
+    maxima = chunks.max(-1) if maxima is None else maxima  # [B, n_chunks]
+    _, best = jax.lax.top_k(maxima, k)  # [B, k] chunks, the lower index first among equal maxima
     best = jnp.sort(best, axis=-1)  # candidates in index order, so equal values keep top_k's order
     candidates = jnp.take_along_axis(chunks, best[:, :, None], axis=1).reshape(b, k * chunk)  # [B, k*chunk]
     values, at = jax.lax.top_k(candidates, k)
@@ -285,7 +290,8 @@ def sample(
         # logits; the biased (and penalized) [B, V] array is then made only inside the branches that
         # need it (penalties, sampling). At 16 slots of SmolLM2 XLA's five passes over [B, V], each on one
         # thread, took ~1.2 ms of a 14.6 ms CPU step; the kernel 0.3 ms.
-        row_max, log_total, biased_greedy = ffi.logit_stats(raw, settings.logit_bias, kernels.threads)  # [B] each
+        stats = ffi.logit_stats(raw, settings.logit_bias, kernels.threads, TOP_CHUNK)
+        row_max, log_total, biased_greedy, maxima = stats  # [B] x 3, [B, ceil(V / TOP_CHUNK)]
 
         def adjusted():
             return adjust_logits(raw, settings, history)
@@ -294,7 +300,7 @@ def sample(
         if history is not None:
             greedy = jax.lax.cond(_any_penalty(settings), lambda: first_argmax(adjusted()), lambda: biased_greedy)
     else:
-        row_max = jnp.max(raw, axis=-1)  # [B]
+        row_max, maxima = jnp.max(raw, axis=-1), None  # [B]
         log_total = jnp.log(jnp.sum(jnp.exp(raw - row_max[:, None]), axis=-1))  # [B]
         logits = adjust_logits(raw if bitmask is None else apply_bitmask(raw, bitmask), settings, history)
         greedy = first_argmax(logits)
@@ -329,7 +335,7 @@ def sample(
     token = jax.lax.cond(jnp.any(sampling), draw_all, lambda: greedy)
     chosen = logprob_of(jnp.take_along_axis(raw, token[:, None], axis=-1))[:, 0]
     if n_top:
-        top_values, top_ids = top_k(raw, n_top)
+        top_values, top_ids = top_k(raw, n_top, TOP_CHUNK, maxima)
         top_logprobs = logprob_of(top_values)
     else:
         top_logprobs = jnp.zeros((raw.shape[0], 0), jnp.float32)
