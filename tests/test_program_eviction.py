@@ -10,6 +10,7 @@ The loop is driven by the test (`runner.iterate`): no threads, no timing."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import jax
@@ -110,10 +111,14 @@ def test_evicted_programs_are_deserialized_and_give_the_same_replies(max_loaded,
 def test_nothing_keeps_an_evicted_executable(programs_run):
     engine = compiled(None)
     held = [weakref.ref(entry.executable) for entry in engine.programs._done.values()]
+    # XLA's executables (no weakrefs): held here, so each counts one reference more than its holders'.
+    xla = [entry.executable._executable.xla_executable for entry in engine.programs._done.values()]
     replies(engine)  # every program in the runner's hands once (Program's own per-signature entries)
     engine.programs.bound(1)
     gc.collect()
     assert sum(ref() is not None for ref in held) == 1
+    # Nor what a reload keeps of each (its cache entry: shardings, pytrees, not the executable).
+    assert sum(sys.getrefcount(x) > 3 for x in xla) == 1  # 3: the list, `x`, getrefcount's argument
 
 
 def fake(name: str):
