@@ -10,7 +10,7 @@ pytrees, kept from the first load, a few KiB). `jax.experimental.serialize_execu
 an executable that was itself loaded from the cache serializes without its kernels on XLA:CPU (jaxlib
 0.10.2: "Function wrapped_iota not found" when the copy runs), and a warm start loads every program
 from the cache. The entry is JAX's own file: no copy in memory or on disk. It may be gone (the cache
-is bounded, `HKSERVE_COMPILE_CACHE_MB`): `load` then says so and the table compiles as before.
+is bounded, `HKSERVE_COMPILE_CACHE_MAX_MB`): `load` then says so and the table compiles as before.
 """
 
 from __future__ import annotations
