@@ -43,7 +43,7 @@ class Loaded:
 
     executable: jax.stages.Compiled | None
     used: int  # the table's clock at its last call; compiled ahead of time and not called since: -clock
-    cache_entry: cache_entries.Entry | None = None  # where a reload finds it; None: never evicted
+    cache_entry: cache_entries.Entry | None = None  # where a reload finds it; None (none noted): never evicted
 
 
 class ProgramTable:
@@ -115,7 +115,7 @@ class ProgramTable:
 
     def load(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False):
         """(its Loaded, the executable) of `key`, loaded by `build` now if need be: compiled, or
-        deserialized once evicted. `ahead`: compiled for later, not called now
+        deserialized from its cache entry once evicted. `ahead`: compiled for later, not called now
         (the warm-up's and background compiles), so it displaces no program in use."""
         entry = self._done.get(key)  # the loop's path once compiled: no lock
         executable = entry.executable if entry is not None else None
@@ -157,14 +157,16 @@ class ProgramTable:
         return entry, executable
 
     @staticmethod
-    def _first_load(build: Callable[[], jax.stages.Compiled]) -> tuple[Any, cache_entries.Entry | None]:
+    def _first_load(build: Callable[[], jax.stages.Compiled]) -> tuple[jax.stages.Compiled, cache_entries.Entry | None]:
         """A program compiled, or loaded from the persistent cache, and the cache entry JAX used."""
         cache_entries.start_noting()
         executable = build()
         noted = cache_entries.noted()
         return executable, cache_entries.entry_of(executable, noted) if noted is not None else None
 
-    def _reload(self, key: Key, entry: Loaded, build: Callable[[], jax.stages.Compiled]):
+    def _reload(
+        self, key: Key, entry: Loaded, build: Callable[[], jax.stages.Compiled]
+    ) -> tuple[jax.stages.Compiled, cache_entries.Entry | None]:
         """An evicted program, deserialized from its cache entry; one whose entry is gone (the cache is
         bounded) is loaded as the first time, and counted and logged, as is any reload that traced or
         compiled anything."""
