@@ -1,17 +1,19 @@
 """A bound on the loaded executables (engine/programs.py, `serve --max-loaded-programs`): past it the
-least recently called program is dropped, serialized to a private file at its first eviction
-(saved_executables.py), and deserialized when next called. Checked on a tiny model: with one or two
-programs loaded at a time, the replies (tokens, logprobs, scored prompts) are those of an engine that
-keeps all of them, no program run after the warm-up was traced, compiled or even looked up in the
-persistent cache (JAX's own events), nothing keeps an evicted executable alive, the eviction order is
-least recently called, programs compiled ahead of time first, and the saved files go with the table.
-The loop is driven by the test (`runner.iterate`): no threads, no timing."""
+least recently called program is dropped, and deserialized from its entry in JAX's persistent cache
+(found by the key JAX computed at its first load: cache_entries.py) when next called. Checked on a
+tiny model: with one or two programs loaded at a time, the replies (tokens, logprobs, scored prompts)
+are those of an engine that keeps all of them, no program run after the warm-up was traced, compiled
+or even looked up in the persistent cache (JAX's own events), nothing keeps an evicted executable
+alive, the eviction order is least recently called, programs compiled ahead of time first, and an
+entry the cache dropped is compiled again and counted. The loop is driven by the test
+(`runner.iterate`): no threads, no timing."""
 
 from __future__ import annotations
 
 import gc
 import sys
 import weakref
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -119,6 +121,33 @@ def test_nothing_keeps_an_evicted_executable(programs_run):
     assert sum(ref() is not None for ref in held) == 1
     # Nor what a reload keeps of each (its cache entry: shardings, pytrees, not the executable).
     assert sum(sys.getrefcount(x) > 3 for x in xla) == 1  # 3: the list, `x`, getrefcount's argument
+
+
+def entry_file(entry) -> Path:
+    """The file of a program's entry in JAX's persistent cache (this test run's own: conftest.py)."""
+    return Path(jax.config.jax_compilation_cache_dir) / f"{entry.cache_entry.cache_key}-cache"
+
+
+@pytest.mark.slow  # the default suite: test_a_program_whose_entry_is_gone_is_loaded_again_and_counted
+def test_a_reload_whose_cache_entry_is_gone_loads_it_as_the_first_time(programs_run):
+    expected = replies(compiled(None))
+    engine = compiled(2)
+    evicted = [e for e in engine.programs._done.values() if e.executable is None]
+    files = {entry_file(e): entry_file(e).read_bytes() for e in evicted}
+    for path in files:
+        path.unlink()  # the bounded cache dropped them
+    programs_run.update(traces=0, programs=0, hits=0)
+    try:
+        assert replies(engine) == expected
+    finally:
+        for path, data in files.items():  # those not compiled again here, for the run's other tests
+            if not path.exists():
+                path.write_bytes(data)
+    # Each program whose entry was gone compiled again at its first reload (a miss, no cache hit) and
+    # wrote its entry again: its later reloads deserialized it, nothing compiled.
+    status = engine.programs.status()
+    assert 6 <= status["reload_misses"] < status["reloads"], status
+    assert programs_run["programs"] == status["reload_misses"] and programs_run["hits"] == 0
 
 
 def fake(name: str):
