@@ -43,9 +43,10 @@ from hkserve.multihost.hosts import HostFlags, HostGroup, LeaderEngine, exit_los
 log = logging.getLogger("hkserve.serve")
 
 
-# Executables kept loaded (--max-loaded-programs): SmolLM2's steady chat traffic called 9 of its 63
-# (docs/benchmarks.md, Start-up: "A bound on the loaded programs"), each ~5-9 MiB loaded.
-MAX_LOADED_PROGRAMS = 16
+# Executables kept loaded (--max-loaded-programs): SmolLM2's steady chat traffic called 9 of its 63,
+# each ~5-9 MiB loaded; at 12 a second round of that traffic reloaded 1 program (~140 ms, a deserialize),
+# at 8 it reloaded 4 (docs/benchmarks.md, Start-up: "A reload without tracing").
+MAX_LOADED_PROGRAMS = 12
 DRAIN_TIMEOUT_S = 300.0  # longest a drain waits for running requests before stopping anyway
 
 

@@ -23,8 +23,11 @@ from typing import Any
 
 import jax
 
+from hkserve.engine import cache_entries
+
 Key = tuple[Hashable, ...]  # (name..., the host arguments' (shape, dtype) signature)
-CACHE_HITS = "/jax/compilation_cache/cache_hits"  # JAX's event for a program loaded from the persistent cache
+# JAX's events of a program traced, and compiled or loaded from the persistent cache: a reload has neither
+WORK_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 
 log = logging.getLogger("hkserve.programs")
 
@@ -36,10 +39,11 @@ def abstract(tree) -> Any:
 
 @dataclasses.dataclass
 class Loaded:
-    """One key's executable while it is loaded (None once evicted: the persistent compile cache keeps it)."""
+    """One key's executable while it is loaded (None once evicted: JAX's persistent cache keeps it)."""
 
     executable: jax.stages.Compiled | None
     used: int  # the table's clock at its last call; compiled ahead of time and not called since: -clock
+    cache_entry: cache_entries.Entry | None = None  # where a reload finds it; None (none noted): never evicted
 
 
 class ProgramTable:
@@ -48,11 +52,11 @@ class ProgramTable:
     to look up and to claim a key: the compiles themselves run unlocked, several keys at once).
 
     At most `max_loaded` executables stay loaded (None: all): each costs ~5-9 MiB of host memory loaded
-    against ~0.5 MiB on disk (docs/benchmarks.md, Start-up), so past the bound the least recently
-    called one is dropped, and loaded again from JAX's persistent compile cache when next called: a
-    reload compiles nothing (counted: `reload_misses` must stay 0), and the executable is the same.
-    A dropped executable's memory goes back to the heap only, which glibc keeps: `on_evict` (serve's
-    malloc_trim) returns it to the OS."""
+    (docs/benchmarks.md, Start-up), so past the bound the least recently called one is dropped, and
+    deserialized from its entry in JAX's persistent compile cache when next called (cache_entries.py):
+    a reload traces, lowers and compiles nothing (counted: `reload_misses` must stay 0), and the
+    executable is the same. A dropped executable's memory goes back to the heap only, which glibc
+    keeps: `on_evict` (serve's malloc_trim) returns it to the OS."""
 
     def __init__(self, compiler_options: dict[str, str] | None = None):
         """`compiler_options`: XLA's, for every program of the table (compiler_options.py)."""
@@ -68,7 +72,7 @@ class ProgramTable:
 
     def bound(self, max_loaded: int | None) -> None:
         """Keep at most `max_loaded` executables loaded from now on (None: no bound). Refused without
-        JAX's persistent compile cache: an evicted program would compile again at its next call."""
+        JAX's persistent compile cache: an evicted program is reloaded from its entry there."""
         if max_loaded is not None:
             if max_loaded < 1:
                 raise ValueError(f"at least one program must stay loaded, not {max_loaded}")
@@ -81,7 +85,7 @@ class ProgramTable:
             self.on_evict()
 
     def __len__(self) -> int:
-        """Programs compiled so far (or loaded from the persistent compile cache), loaded or not."""
+        """Programs compiled so far (or loaded from the persistent compile cache), loaded or evicted."""
         return len(self._done)
 
     def loaded(self) -> int:
@@ -99,7 +103,7 @@ class ProgramTable:
         }
 
     def has(self, key: Key) -> bool:
-        """Whether `key` was compiled (its executable loaded now or in the persistent cache)."""
+        """Whether `key` was compiled (its executable loaded now, or evicted: in the persistent cache)."""
         return key in self._done
 
     def tick(self) -> int:
@@ -111,7 +115,7 @@ class ProgramTable:
 
     def load(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False):
         """(its Loaded, the executable) of `key`, loaded by `build` now if need be: compiled, or
-        reloaded from the persistent cache once evicted. `ahead`: compiled for later, not called now
+        deserialized from its cache entry once evicted. `ahead`: compiled for later, not called now
         (the warm-up's and background compiles), so it displaces no program in use."""
         entry = self._done.get(key)  # the loop's path once compiled: no lock
         executable = entry.executable if entry is not None else None
@@ -131,7 +135,7 @@ class ProgramTable:
         if not mine:
             return future.result()  # another thread's load of this key: wait for it (or its error)
         try:
-            executable = build() if entry is None else self._reload(key, build)
+            executable, cache_entry = self._first_load(build) if entry is None else self._reload(key, entry, build)
         except BaseException as e:
             with self._lock:
                 del self._building[key]
@@ -139,6 +143,7 @@ class ProgramTable:
             raise
         with self._lock:
             entry = self._done.setdefault(key, Loaded(None, 0))
+            entry.cache_entry = cache_entry
             # Compiled ahead of time (warm-up, background): before every called one in the eviction
             # order, the latest first, so the smallest contexts (compiled first) stay and a rare
             # program compiled in the background goes at once, left in the persistent cache.
@@ -151,23 +156,42 @@ class ProgramTable:
             self.on_evict()
         return entry, executable
 
-    def _reload(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
-        """An evicted program, loaded again: from the persistent cache, or a miss logged and counted."""
-        hits = _cache_hits_here()
+    @staticmethod
+    def _first_load(build: Callable[[], jax.stages.Compiled]) -> tuple[jax.stages.Compiled, cache_entries.Entry | None]:
+        """A program compiled, or loaded from the persistent cache, and the cache entry JAX used."""
+        cache_entries.start_noting()
         executable = build()
+        noted = cache_entries.noted()
+        return executable, cache_entries.entry_of(executable, noted) if noted is not None else None
+
+    def _reload(
+        self, key: Key, entry: Loaded, build: Callable[[], jax.stages.Compiled]
+    ) -> tuple[jax.stages.Compiled, cache_entries.Entry | None]:
+        """An evicted program, deserialized from its cache entry; one whose entry is gone (the cache is
+        bounded) is loaded as the first time, and counted and logged, as is any reload that traced or
+        compiled anything."""
+        work = _work_here()
+        executable, cache_entry = cache_entries.load(entry.cache_entry), entry.cache_entry
+        gone = executable is None
+        if gone:
+            executable, cache_entry = self._first_load(build)
         with self._lock:
             self.reloads += 1
-            missed = _cache_hits_here() == hits
+            missed = gone or _work_here() != work
             self.reload_misses += missed
         if missed:
-            log.warning("program %s was evicted and compiled again: the persistent compile cache missed it", key)
-        return executable
+            log.warning("program %s was evicted and traced or compiled again on its reload", key)
+        return executable, cache_entry
 
     def _evict_over_bound(self, keep: Loaded | None) -> int:
         """Drop the least recently called executables beyond the bound (never `keep`); under the lock."""
         evicted = 0
         while self.max_loaded is not None and self._loaded > self.max_loaded:
-            victims = [e for e in self._done.values() if e.executable is not None and e is not keep]
+            victims = [
+                e
+                for e in self._done.values()
+                if e.executable is not None and e.cache_entry is not None and e is not keep
+            ]
             if not victims:
                 break
             min(victims, key=lambda e: e.used).executable = None
@@ -186,20 +210,21 @@ _here = threading.local()
 
 
 @functools.cache
-def _listen_for_cache_hits() -> None:
-    """Count JAX's persistent-cache hits per thread (its events are recorded on the compiling thread)."""
+def _listen_for_work() -> None:
+    """Count JAX's traces and compiles per thread (its events are recorded on the working thread)."""
 
-    def listener(event: str, **_) -> None:
-        if event == CACHE_HITS:
-            _here.hits = getattr(_here, "hits", 0) + 1
+    def listener(event: str, _secs: float, **_) -> None:
+        if event in WORK_EVENTS:
+            _here.work = getattr(_here, "work", 0) + 1
 
-    jax.monitoring.register_event_listener(listener)
+    jax.monitoring.register_event_duration_secs_listener(listener)
 
 
-def _cache_hits_here() -> int:
-    """Persistent-cache hits on this thread so far (counted from the first reload on)."""
-    _listen_for_cache_hits()
-    return getattr(_here, "hits", 0)
+def _work_here() -> int:
+    """Traces and compiles (or loads from the persistent cache) on this thread so far, counted from
+    the first reload on."""
+    _listen_for_work()
+    return getattr(_here, "work", 0)
 
 
 class Program:
