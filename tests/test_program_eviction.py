@@ -219,6 +219,22 @@ def test_a_program_without_a_cache_entry_stays_loaded(monkeypatch):
     assert table.loaded() == 3 and table.evictions == 0
 
 
+def test_a_jax_whose_compiled_programs_differ_leaves_them_loaded():
+    """Another JAX's private `Compiled` parts (no `_params` here): no entry, so the program is never
+    evicted, rather than a failed compile."""
+    import dataclasses
+    import types
+
+    from hkserve.engine import cache_entries
+
+    @dataclasses.dataclass
+    class Unloaded:
+        xla_executable: object
+
+    compiled = types.SimpleNamespace(_executable=types.SimpleNamespace(_unloaded_executable=Unloaded("x")))
+    assert cache_entries.entry_of(compiled, ("key", None)) is None
+
+
 def test_a_bound_is_refused_without_the_persistent_cache(monkeypatch):
     monkeypatch.setattr(programs_module, "persistent_cache_on", lambda: False)
     with pytest.raises(ValueError, match="persistent compile cache"):

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from typing import Any, NamedTuple
 
 import jax
 from jax._src import compilation_cache  # the persistent cache's read, by the key JAX computed
 
+log = logging.getLogger("hkserve.programs")
 _here = threading.local()
 _read = compilation_cache.get_executable_and_time  # JAX's own, before `_note_key` wraps it
 
@@ -64,14 +66,24 @@ def noted() -> tuple[str, Any] | None:
 
 
 def entry_of(executable: jax.stages.Compiled, key_and_options: tuple[str, Any]) -> Entry | None:
-    """The entry of a loaded `executable` (None: not a single mesh executable JAX can rebuild)."""
-    unloaded = getattr(executable._executable, "_unloaded_executable", None)
-    if unloaded is None or not dataclasses.is_dataclass(unloaded):
+    """The entry of a loaded `executable` (None: not a single mesh executable JAX can rebuild, or a
+    JAX whose private `Compiled` parts differ from these: the program then simply stays loaded)."""
+    try:
+        unloaded = getattr(executable._executable, "_unloaded_executable", None)
+        if unloaded is None or not dataclasses.is_dataclass(unloaded):
+            return None
+        params = executable._params
+        shell = dataclasses.replace(unloaded, xla_executable=None)
+        return Entry(*key_and_options, shell, params.const_args, executable.args_info, executable.out_tree,
+                     params.no_kwargs, params.in_types, params.out_types)  # fmt: skip
+    except (AttributeError, TypeError, ValueError):
+        _unsupported_once(jax.__version__)
         return None
-    params = executable._params
-    shell = dataclasses.replace(unloaded, xla_executable=None)
-    return Entry(*key_and_options, shell, params.const_args, executable.args_info, executable.out_tree,
-                 params.no_kwargs, params.in_types, params.out_types)  # fmt: skip
+
+
+@functools.cache
+def _unsupported_once(version: str) -> None:
+    log.warning("jax %s: compiled programs cannot be rebuilt from cache entries; none is evicted", version)
 
 
 def load(entry: Entry) -> jax.stages.Compiled | None:
