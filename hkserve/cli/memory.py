@@ -41,3 +41,27 @@ def release_freed_heap() -> int:
     before = process.memory_info().rss
     libc.malloc_trim(0)
     return max(0, before - process.memory_info().rss)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks get pages of their own, returned to the OS on free
+TUNABLES = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # a user's own malloc settings
+
+
+def fix_mmap_threshold(environ=os.environ) -> str:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD; what was done, for the log.
+
+    glibc raises the threshold each time an mmapped block is freed (up to 32 MiB), so after the first
+    compile the compiler's and the programs' large temporaries come from the heap, and what they free
+    stays resident, interleaved with live data that keeps the heap from being trimmed. A fixed value turns
+    that off: each large block is mapped and unmapped by itself (docs/benchmarks.md, "glibc's mmap
+    threshold"). Call before JAX starts its threads; malloc settings the environment names win."""
+    libc = _glibc()
+    if libc is None:
+        return "malloc settings left as they are (not glibc)"
+    named = [name for name in TUNABLES if name in environ and (name != "GLIBC_TUNABLES" or "malloc" in environ[name])]
+    if named:
+        return f"malloc settings left to {', '.join(named)}"
+    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        return "malloc settings left as they are (mallopt refused the mmap threshold)"
+    return f"malloc: mmap threshold fixed at {MMAP_THRESHOLD >> 10} KiB"
