@@ -6,6 +6,9 @@ in its arenas for reuse, so it stays in the process's resident memory although n
 measured on SmolLM2 int8 at 16 slots x 2048 (docs/benchmarks.md, Start-up), `malloc_trim(0)` at ready
 took RSS from 2,642 to 2,499 MiB. Nothing changes but where the pages are: the next malloc that needs
 them maps them again, so behaviour and outputs are identical.
+
+Before loading, `serve` also fixes glibc's mmap threshold (fix_mmap_threshold), so that the large blocks
+compiles and runs free go back to the OS at once instead of staying in the heap.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def release_freed_heap() -> int:
     return max(0, before - process.memory_info().rss)
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
 MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks get pages of their own, returned to the OS on free
 TUNABLES = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # a user's own malloc settings
 
