@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO, require_fixtures
 from test_serve import tiny_home  # noqa: F401  (module-scoped fixture: a tiny GGUF model in a store)
 
+from hkserve.cli.memory import MMAP_THRESHOLD
 from hkserve.cli.serve import MAX_LOADED_PROGRAMS
 from hkserve.cli.startup import CompileCounter
 
@@ -26,6 +27,8 @@ def bench_startup(home, weights: str, slots: int, max_len: int) -> list[dict]:
     # Each start says it is ready as /health answers, and --server-log echoed the server's own log.
     assert result.stdout.count(f"{weights}: ready after ") == 2
     assert "serve| " in result.stderr and "startup: {" in result.stderr
+    # Each serve fixed glibc's mmap threshold before loading (cli/memory.py: the heap compiles leave behind).
+    assert result.stderr.count(f"malloc: mmap threshold fixed at {MMAP_THRESHOLD >> 10} KiB") == 2
     return json.loads(result.stdout.splitlines()[-1])["runs"]
 
 

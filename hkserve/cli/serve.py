@@ -30,7 +30,7 @@ from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine
-from hkserve.cli.memory import release_freed_heap
+from hkserve.cli.memory import fix_mmap_threshold, release_freed_heap
 from hkserve.cli.startup import StartupTimeline
 from hkserve.engine.background_compile import COMPILED_LINE, MODES, Compiles
 from hkserve.engine.forwarding import base_engine
@@ -268,6 +268,7 @@ def _log_to_stderr() -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     _log_to_stderr()
+    log.info("%s", fix_mmap_threshold())  # before loading starts JAX's threads and the compiler's scratch
     timeline = StartupTimeline()
     options = ServeOptions.from_args(args)
     hosts = HostGroup.from_flags(options.hosts)
