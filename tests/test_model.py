@@ -117,6 +117,17 @@ def test_idle_slots_are_left_untouched_by_a_decode_step():
     assert np.asarray(after.k[:, 0, 0]).any() and not np.asarray(after.k[:, 0, 1]).any()
 
 
+def test_auto_keeps_float32_weights_memory_float32_and_narrower_weights_bf16():
+    """--kv-dtype auto: a float32 memory for float32 weights only; bf16, int8 and int4 weights keep a
+    bfloat16 one (half the bytes, as llama.cpp's f16 default), unless f32 is asked for."""
+    config = tiny_config()
+    assert cache_dtype(config) == jnp.float32
+    for dtype in ("bfloat16", "int8", "int4"):
+        narrow = config.replace(dtype=dtype)
+        assert cache_dtype(narrow) == jnp.bfloat16, dtype
+        assert cache_dtype(with_kv_dtype(narrow, "f32")) == jnp.float32, dtype
+
+
 def test_a_bf16_memory_holds_each_key_rounded_once_and_is_read_as_its_float32_copy():
     """--kv-dtype bf16 on XLA's path: prefill writes the float32 memory's keys and values rounded to bf16,
     and decode steps give the bits of a float32 memory holding those rounded values (the read upcasts)."""

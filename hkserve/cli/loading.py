@@ -73,7 +73,7 @@ def add_kv_dtype_argument(p) -> None:
         "--kv-dtype",
         choices=list(KV_DTYPES),
         default="auto",
-        help="the KV memory's dtype: auto = the weights' (bf16 for bf16 weights, else f32); bf16 holds twice the "
+        help="the KV memory's dtype: auto = f32 for f32 weights, else bf16 (bf16, int8, int4); bf16 holds twice the "
         "tokens in the same bytes (--kv-cache-mb), each key and value rounded once (docs/benchmarks.md, KV dtype)",
     )
 

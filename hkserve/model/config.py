@@ -38,7 +38,7 @@ class ModelConfig:
     # float16 scale and no min (model/int4.Int8Sym): a GGUF's stacks of Q4_0/Q5_0/Q8_0 (not all Q4_0)
     int5_linears: tuple[str, ...] = ()  # int4 only: linear modules stored as signed 5-bit groups with a
     # float16 scale (model/int4.Int5Sym): a GGUF's stacks whose every tensor is Q5_0
-    kv_dtype: str = "auto"  # the KV memory's: auto (bfloat16 for bfloat16 weights, else float32) | float32 | bfloat16
+    kv_dtype: str = "auto"  # the KV memory's: auto (float32 for float32 weights, else bfloat16) | float32 | bfloat16
     # grok-1 options (defaults = plain Llama / Mixtral)
     attn_multiplier: float = 0.0  # attention-logit scale; 0 = 1/sqrt(head_dim)
     attn_logit_cap: float = 0.0  # cap * tanh(logit / cap) before masking; 0 = off
