@@ -77,10 +77,6 @@ inline void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t threads
   }
 }
 
-}  // namespace hk
-
-namespace hk {
-
 // parallel_tiles over runs of `run` adjacent items: body(t) for every t < items, a run on one thread, in
 // order.
 template <typename F>
