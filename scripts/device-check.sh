@@ -130,7 +130,11 @@ quant_weights() {  # int8 and int4 weights on the device: scripts/device_quant_d
 }
 
 startup() {  # `hkserve bench startup`: serve's start to /health 200, cold then warm, SmolLM2
-    "$PY" -m hkserve.cli.main bench startup --model "$MODEL" --warm-starts 1 "${STARTUP[@]}" --server-log --json \
+    # On the GPU, JAX logs every program's trace, lowering and compile seconds into the server log that
+    # --server-log echoes: the H200's cold start did not answer within 370 s, and where it went is unknown.
+    local logged=()
+    ((DRY)) || logged=(JAX_LOG_COMPILES=1)
+    env "${logged[@]}" "$PY" -m hkserve.cli.main bench startup --model "$MODEL" --warm-starts 1 "${STARTUP[@]}" --server-log --json \
         | tee "$WORK/startup.out"
     local rc=${PIPESTATUS[0]}
     ((rc == 0)) && tail -n 1 "$WORK/startup.out" >"$WORK/startup.json"
