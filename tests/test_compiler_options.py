@@ -38,9 +38,8 @@ def test_bf16_kv_programs_hold_no_float32_copy_of_the_memory():
 def test_outputs_and_memory_bits_equal_those_of_the_widening_programs(path):
     requests = [*TARGETS, *neighbours(6, seed=5)]
     ours, widening = (make_runner(path, "paged", kv="bfloat16") for _ in range(2))
-    options = dict(ours.engine.programs.compiler_options)
-    assert options.pop(co.DISABLE) == co.BF16_NORMALIZATION
-    widening.engine.programs = ProgramTable(options)  # ours but for the bf16 pass: the bf16 writes widened
+    widening.engine.programs = ProgramTable()  # XLA's defaults: the bf16 writes widened
+    assert ours.engine.programs.compiler_options and not widening.engine.programs.compiler_options
     assert run(ours, requests) == run(widening, requests)
     for name in ("k", "v"):
         mine, theirs = (np.asarray(getattr(r.engine.state.memory, name)).view(np.uint16) for r in (ours, widening))
@@ -49,11 +48,9 @@ def test_outputs_and_memory_bits_equal_those_of_the_widening_programs(path):
 
 def test_the_pass_is_left_on_for_bf16_params_f32_memories_and_other_backends(monkeypatch):
     f32, bf16 = jnp.zeros(2, jnp.float32), jnp.zeros(2, jnp.bfloat16)
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    off = {co.FUSION_EMITTERS: False}  # every CPU program's (tests/test_xla_flags_fusion_emitters.py)
-    assert co.compiler_options({"w": f32}, {"k": bf16}) == {**off, co.DISABLE: co.BF16_NORMALIZATION}
-    assert co.DISABLE in co.compiler_options({"w": jnp.zeros(2, jnp.int8)}, {"k": bf16, "s": jnp.zeros(2, jnp.int32)})
-    assert co.compiler_options({"w": bf16}, {"k": bf16}) == off  # the CPU's dots need the pass
-    assert co.compiler_options({"w": f32}, {"k": f32}) == off
+    assert co.compiler_options({"w": f32}, {"k": bf16}) == {co.DISABLE: co.BF16_NORMALIZATION}
+    assert co.compiler_options({"w": jnp.zeros(2, jnp.int8)}, {"k": bf16, "step": jnp.zeros(2, jnp.int32)})
+    assert co.compiler_options({"w": bf16}, {"k": bf16}) == {}  # the CPU's dots need the pass
+    assert co.compiler_options({"w": f32}, {"k": f32}) == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert co.compiler_options({"w": f32}, {"k": bf16}) == {}

@@ -58,7 +58,7 @@ class ProgramTable:
     executable is the same. A dropped executable's memory goes back to the heap only, which glibc
     keeps: `on_evict` (serve's malloc_trim) returns it to the OS."""
 
-    def __init__(self, compiler_options: dict[str, str | bool] | None = None):
+    def __init__(self, compiler_options: dict[str, str] | None = None):
         """`compiler_options`: XLA's, for every program of the table (compiler_options.py)."""
         self.compiler_options = compiler_options or {}
         self.max_loaded: int | None = None
