@@ -70,6 +70,8 @@ def test_a_warm_start_compiles_nothing_and_the_record_adds_up(tiny_home):  # noq
         assert bound == {"max_loaded": MAX_LOADED_PROGRAMS, "reload_misses": 0}
         assert 0 < r["programs"]["loaded"] <= MAX_LOADED_PROGRAMS
         assert r["seconds"]["compile"] > 0 and min(r["seconds"].values()) >= 0
+        # the server's own CPU seconds (all its threads), growing from ready to all compiled
+        assert 0 < r["cpu_s_client"] <= r["cpu_s_compiled"]
         memory = r["memory"]
         assert (memory["stored_weights"], memory["served_params"], memory["kv"]) == (params, params, kv)
         assert memory["other_arrays"] >= 0 and memory["not_arrays"] > 0

@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 from hkserve.bench import llama_rss
 from hkserve.bench.soak import process_stats
 from hkserve.checkpoint.store import ModelStore
@@ -140,6 +142,7 @@ def start_once(args, weights: str, cache: str) -> dict:
         record = _logged(lines, STARTUP_LINE, within=60)
         record["ready_s_client"] = round(ready_s, 3)
         record["rss_mib_client"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        record["cpu_s_client"] = _cpu_seconds(server.pid)
         split = ", ".join(f"{k} {v:.1f}" for k, v in record["seconds"].items())
         print(
             f"{weights}: ready after {ready_s:.1f} s ({split}); waiting for the programs left for after ready",
@@ -147,6 +150,7 @@ def start_once(args, weights: str, cache: str) -> dict:
         )
         record["compiled_s"] = _logged(lines, COMPILED_LINE, within=args.ready_within)["finished_s"]
         record["rss_mib_compiled"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        record["cpu_s_compiled"] = _cpu_seconds(server.pid)
         _one_chat(port, args.model)
         record["rss_mib_after_request"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         return record
@@ -159,12 +163,20 @@ def start_once(args, weights: str, cache: str) -> dict:
             server.wait()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all its threads) the server has used so far: unlike its wall-clock
+    seconds, what a start costs whatever else runs on the machine."""
+    times = psutil.Process(pid).cpu_times()
+    return round(times.user + times.system, 1)
+
+
 def _summary(weights: str, start: str, r: dict) -> str:
     s, c, m = r["seconds"], r["compiles"], r["memory"]
     mib = {k: round(v / 2**20) for k, v in m.items()}
     parts = ", ".join(f"{k} {v:.1f}" for k, v in s.items())
     return (
         f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}), all compiled {r['compiled_s']:.1f} s; "
+        f"CPU {r['cpu_s_client']:.1f} s to ready, {r['cpu_s_compiled']:.1f} s to all compiled; "
         f"programs {c['programs']}, "
         f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB, all compiled "
         f"{r['rss_mib_compiled']:.0f}, after a request {r['rss_mib_after_request']:.0f} "
