@@ -17,8 +17,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/hkserve serve
 
-# Two pytest-xdist workers (one per core of the CI machine); a test file stays on one worker.
+# Two pytest-xdist workers (one per core of the CI machine); a test file stays on one worker. The files
+# are queued longest first (tests/conftest.py, tests/file_seconds.json), not by xdist's test counts.
 TEST_WORKERS ?= 2
+TEST_ORDER := --dist loadfile --no-loadscope-reorder
 
 # The chat page's tests (tests/test_web_page.py) drive Debian's Chromium through selenium: installed
 # here when missing (as root, from Debian's archive; no downloaded browser builds).
@@ -27,11 +29,11 @@ browser:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; }
 
 test: $(STAMP) lint browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(TEST_ORDER) --durations=15
 
 # The long checks kept out of `make test` (@pytest.mark.slow; docs/testing.md lists them).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) $(TEST_ORDER) --durations=15
 
 # Code shape: ruff (lint + format) and the import layers of pyproject.toml (import-linter).
 lint: $(STAMP)

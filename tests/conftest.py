@@ -1,6 +1,6 @@
 """pytest fixtures only (shared helpers live in helpers.py): the golden SmolLM2 outputs, a SmolLM2 store
 pulled once per run and one compile cache per run, both shared by the pytest-xdist workers of `make test`;
-the compiles a test causes."""
+the compiles a test causes. And the files' order: longest first (tests/file_seconds.json)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ from helpers import hkserve, require_fixtures
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.compile_cache import enable_compile_cache
 from hkserve.kernels.build import CACHE_ENV, cache_root
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files longest first, by the seconds tests/file_seconds.json measured (a file not in it: 0, after
+    them, in collection order), each file's tests in their order. `make test` passes xdist
+    `--no-loadscope-reorder`, so its workers take the files in this order: the long end-to-end files
+    start early and the two workers end together, instead of one running the device check's dry run
+    alone at the end (xdist's default queues files by test count, and those files have one or two)."""
+    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path.name, index)
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0), first[item.path.name]))
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from http_helpers import LiveServer, validate
+from http_helpers import LiveServer, smollm2_server, validate
 from pydantic import BaseModel, Field
 
 from hkserve.api.app import create_app
-from hkserve.engine.engine import Engine
-from hkserve.engine.options import EngineOptions
-from hkserve.engine.runner import InferenceRunner
-from hkserve.model.build import build_model
 
 NAME = "smollm2-135m-instruct"
 WEATHER = {
@@ -55,17 +51,24 @@ TIME = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def _serve(smollm2, slots: int, max_len: int):
+    """The server and an openai client, with the runner and tokenizer kept for apps of other settings."""
+    with smollm2_server(smollm2, NAME, slots=slots, max_queue=256, max_len=max_len) as (server, runner):
+        server.runner, server.tokenizer = runner, smollm2[2]
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def live(smollm2):
-    _, info, tokenizer, params = smollm2
-    engine = Engine(build_model(info.config), params, EngineOptions(slots=16, max_len=640, prefill_buckets=(64, 512)))
-    runner = InferenceRunner(engine, max_queue=256).start(warmup=False)
-    server = LiveServer(create_app(runner, tokenizer, NAME, engine.max_len))
-    server.runner, server.tokenizer = runner, tokenizer  # for apps of other settings over the same engine
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
-    yield server, client
-    server.stop()
-    runner.stop()
+    """test_api_live's engine (8 slots of 512 tokens): the run's compile cache serves its programs, and no
+    test here runs more than 8 requests at once, so a step decodes no idle rows (16 slots of 640, before)."""
+    yield from _serve(smollm2, slots=8, max_len=512)
+
+
+@pytest.fixture(scope="module")
+def wide(smollm2):
+    """16 slots of 640 tokens: the slow test's 80 samples of up to 480 tokens."""
+    yield from _serve(smollm2, slots=16, max_len=640)
 
 
 class Address(BaseModel):
@@ -141,9 +144,9 @@ SCHEMA = {
 
 
 @pytest.mark.slow
-def test_hundred_json_object_and_hundred_schema_samples_all_validate(live):
+def test_hundred_json_object_and_hundred_schema_samples_all_validate(wide):
     """200 samples at temperature 1.0 (10 requests x n=10 per kind, random seeds): all parse, all valid."""
-    server, _ = live
+    server, _ = wide
     person = [{"role": "user", "content": "Describe a person (name, age, pets) as a JSON object."}]
     bodies = [
         {"response_format": {"type": "json_object"}, "seed": seed}
@@ -297,7 +300,7 @@ def test_each_format_s_enforced_call_is_read_back_whole_and_streamed(live, fmt):
     """The grammar makes SmolLM2 write the call in the format's own syntax, which its parser reads
     back: a call that validates, the same whole and streamed (same seed)."""
     server, _ = live
-    app = create_app(server.runner, server.tokenizer, NAME, 640, tool_call_parser=fmt)
+    app = create_app(server.runner, server.tokenizer, NAME, server.runner.engine.max_len, tool_call_parser=fmt)
     other = LiveServer(app)
     try:
         client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0, timeout=900)
