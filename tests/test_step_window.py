@@ -4,10 +4,10 @@ programs (step, and the constrained step's) compile at max_len alone, and their 
 sampled, alone and among neighbours across the windows' edges, equal those of the same engine forced to
 the windows; XLA's gather and VQ keep their windows.
 
-Planted and seen failing (each restored): the engine's single window one smaller than max_len (the
-steps past it found no program: IndexError); the C++ kernel fed the window instead of each row's length
-(transformer.py passing attend_len as the rows' past: the tokens differ from the windowed engine's);
-`auto` choosing the windows on the kernels' path (the program count).
+Planted and seen failing (each restored): the C++ kernel fed the window instead of each row's length
+(transformer.py: `seen` = attend_len under in_place; int8-static: the tokens differ from the windowed
+engine's at the 4th); the single window one smaller than max_len (256: the step_windows check, and with
+that check taken out the compiled programs' list); `auto` choosing the windows on the kernels' path.
 """
 
 from __future__ import annotations
