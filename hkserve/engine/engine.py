@@ -105,7 +105,8 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         if choice not in STEP_WINDOWS:
             raise ValueError(f"step_windows must be one of {STEP_WINDOWS}, got {choice!r}")
         if choice == "auto":
-            own = reads_own_length(self.model.config, self.model.kernels, self.state.memory.k.dtype)
+            config = self.model.config  # a VQ memory (no k) has one window already
+            own = config.memory != "vq" and reads_own_length(config, self.model.kernels, self.state.memory.k.dtype)
             choice = "one" if own else "windows"
         return (self.max_len,) if choice == "one" else self.windows
 
