@@ -3,8 +3,10 @@ for all slots over a batched KV memory. No threads, no requests: whoever owns th
 
 Shapes are fixed so compiles are few: prompts are padded to a prefill bucket, and the decode step reads
 the past through an attention window chosen from a few sizes by the longest active slot (tracked on the
-host, so choosing it needs no device sync). The decode state is donated to each call: the KV memory is
-updated in place.
+host, so choosing it needs no device sync). Where the step's attention reads each row's own length (the
+CPU kernels': model/attention.py `reads_own_length`) the window changes nothing but the program count,
+so the step-like programs (step, and the constrained step's masked/forward) take one, max_len. The
+decode state is donated to each call: the KV memory is updated in place.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hkserve.engine.compiler_options import compiler_options
-from hkserve.engine.options import EngineOptions
+from hkserve.engine.options import STEP_WINDOWS, EngineOptions
 from hkserve.engine.outputs import PendingLogits, PendingTokens, pack, score_targets
 from hkserve.engine.paged_slots import PagedSlots
 from hkserve.engine.prefill_rows import RowPrefill
@@ -37,6 +39,7 @@ from hkserve.engine.state import (
     window_sizes,
 )
 from hkserve.engine.warmup import Warmup
+from hkserve.model.attention import reads_own_length
 from hkserve.model.build import param_shapes
 from hkserve.model.memory import reset_slot
 from hkserve.model.model import Model
@@ -87,10 +90,25 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         self._size_pool(config, kv_layout, kv_cache_mb, block_size)
         self.state_shardings = state_shardings(config, self.mesh, self.kv_layout)
         self.reset()
+        self.step_windows = self._step_windows(options.step_windows)
         self._specs = (abstract(self.params), abstract(self.state))  # what every lowering takes for them
         self.programs = ProgramTable(compiler_options(*self._specs))  # every compiled program, by key (programs.py)
         self._compiled: dict[tuple[str, int], Program] = {}
         self.row_prefill = RowPrefill(self, prefill_rows)  # batched prefill of short prompts (prefill_rows.py)
+
+    def _step_windows(self, choice: str) -> tuple[int, ...]:
+        """The windows of the step-like programs (step, masked, forward): one, max_len, where the step's
+        attention reads each row's own length (C++ kernel: the program does not read the window, and
+        costs the same at 128 and 2048: docs/benchmarks.md), else `windows` (a VQ memory's: one already),
+        paid for by size on the paths that read the whole window (XLA's gather, the Pallas kernel).
+        `choice`: options.STEP_WINDOWS."""
+        if choice not in STEP_WINDOWS:
+            raise ValueError(f"step_windows must be one of {STEP_WINDOWS}, got {choice!r}")
+        if choice == "auto":
+            config = self.model.config  # a VQ memory (no k) has one window already
+            own = config.memory != "vq" and reads_own_length(config, self.model.kernels, self.state.memory.k.dtype)
+            choice = "one" if own else "windows"
+        return (self.max_len,) if choice == "one" else self.windows
 
     def spec_counts(self) -> None:
         """A plain engine does not speculate."""
@@ -268,10 +286,11 @@ class Engine(PromptPrefill, PagedSlots, Warmup):
         )
 
     def _step_window(self, active: np.ndarray) -> int:
+        """The step-like programs' window for these rows: the smallest of `step_windows` that holds them."""
         needed = int(self.positions[active].max()) if active.any() else 1
         if needed >= self.max_len:
             raise ContextLengthError(self.max_len, needed, 1)
-        return self._window(max(needed, 1))
+        return self.step_windows[bisect.bisect_left(self.step_windows, max(needed, 1))]
 
     def step(self, active: np.ndarray) -> PendingTokens:
         """Decode one token for each slot where `active` [B] is true (B rows; idle rows are junk)."""

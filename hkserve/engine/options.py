@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from hkserve.engine.kv_layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+# "auto": one window (max_len) where the step's attention reads each row's own length, else the windows;
+# "windows" | "one" force either (both exact on every path; they differ in programs and in cost).
+STEP_WINDOWS = ("auto", "windows", "one")
 
 
 @dataclass(frozen=True)
@@ -30,3 +33,4 @@ class EngineOptions:
     kv_layout: str = DEFAULT_LAYOUT  # "paged" (the default, kv_layout.py) | "static" (slots x max_len reserved)
     kv_cache_mb: float | None = None  # paged: the pool's size (None: kv_layout.py's default)
     block_size: int = DEFAULT_BLOCK_SIZE  # paged: tokens per block
+    step_windows: str = "auto"  # STEP_WINDOWS: the decode step's windows (engine.py `step_windows`)

@@ -1,6 +1,7 @@
 """What an Engine compiles before it serves (so no request waits on a compile that would stall every
 slot): each prefill bucket, the continuation chunks of long prompts, the prefix cache's copy programs,
-the batched-prefill rows programs, the paged block table's update, each decode window and the split
+the batched-prefill rows programs, the paged block table's update, the decode step at each of its
+windows (one where the attention reads each row's own length: engine.py `step_windows`) and the split
 step of grammar-constrained batches; and what few requests need: the scoring prefill's programs.
 
 The inventory is a list of program calls, each with the longest context it serves. `warmup(upto)`
@@ -82,9 +83,9 @@ class Warmup:
         return [(b, 0) for b in firsts] + [(chunk, w) for w in self.continuation_windows(chunk)]
 
     def program_calls(self) -> list[ProgramCall]:
-        """Every program serving may need (len(buckets) + 2 × len(windows), whatever the number of slots,
-        plus the rows, copy, table and constrained-step programs where those are on, and the scoring
-        prefill's), smallest context first."""
+        """Every program serving may need (len(buckets) + len(windows) + len(step_windows), whatever the
+        number of slots, plus the rows, copy, table and constrained-step programs where those are on, and
+        the scoring prefill's), smallest context first."""
         row = make_settings([SamplingParams()], self.model.config.vocab_size)
         calls = []
         if self.kv_pool is not None:  # the paged layout's block table into the state
@@ -106,21 +107,23 @@ class Warmup:
             for w in self.windows:
                 calls.append(ProgramCall(w, self._compiled_fn("copy", w), self._copy_args(0, 0, [0], w, None)))
         active = np.zeros(self.slots, bool)
-        for w in self.windows:
-            calls.append(ProgramCall(w, self._compiled_fn("step", w), (active,)))
+        for w in self.step_windows:
+            # A single step window serves the shortest contexts too: cut as the smallest window would be.
+            context = self.windows[0] if len(self.step_windows) == 1 else w
+            calls.append(ProgramCall(context, self._compiled_fn("step", w), (active,)))
             if self.structured:
-                calls += self._constrained_calls(w, active)
+                calls += self._constrained_calls(w, context, active)
         return sorted(calls, key=lambda c: c.context)
 
-    def _constrained_calls(self, window: int, active: np.ndarray) -> list[ProgramCall]:
+    def _constrained_calls(self, window: int, context: int, active: np.ndarray) -> list[ProgramCall]:
         """The split step of grammar-constrained batches at this window: one program, or its two halves."""
         if not self.split_masks:
-            return [ProgramCall(window, self._compiled_fn("masked", window), (active, self._all_allowed_rows))]
+            return [ProgramCall(context, self._compiled_fn("masked", window), (active, self._all_allowed_rows))]
         forward = functools.partial(self._forward_impl, window)
         logits = jax.eval_shape(forward, *self._specs, active)[1]  # [B, V]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._sharding("data", None))
         sample = (self._compiled_fn("sample", 0), (logits, active, self._all_allowed_rows))
-        return [ProgramCall(window, self._compiled_fn("forward", window), (active,)), ProgramCall(window, *sample)]
+        return [ProgramCall(context, self._compiled_fn("forward", window), (active,)), ProgramCall(context, *sample)]
 
     def warmup(self, upto: int | None = None) -> None:
         """Compile now, not on a request (when a compile would stall every slot), every common program

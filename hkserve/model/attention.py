@@ -30,6 +30,20 @@ class HeldKV(NamedTuple):
     kernel: str  # "cpu" (kernels/attention.cc), "pallas" or "interpret" (paged_pallas.py; paged only)
 
 
+def reads_own_length(config: ModelConfig, spec: dispatch.KernelSpec | None, kv_dtype) -> bool:
+    """Does a decode step (one new token per row, all slots) read its past through the C++ kernel
+    (kernels/attention.cc), which reads each row's memory, static or paged, in place up to that row's own
+    length? Then the step's program does not depend on the attention window (the engine compiles one:
+    engine.py `step_windows`). Under any spec (a float model's too) and a KV dtype of the kernel's two
+    variants; that kernel has no attention sinks, so gpt-oss attends through XLA."""
+    return (
+        spec is not None
+        and kv_dtype in (jnp.float32, jnp.bfloat16)
+        and config.head_dim % 16 == 0
+        and not config.attn_sinks
+    )
+
+
 def rope_frequencies(config: ModelConfig, theta: jax.Array) -> jax.Array:
     """Inverse frequencies [Dh/2] for RoPE base `theta`, divided by config.rope_freq_factors if any
     (Llama 3's frequency scaling, as llama.cpp applies it from its rope_freqs tensor)."""

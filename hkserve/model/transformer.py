@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from hkserve.kernels import dispatch
 from hkserve.kernels.dispatch import KernelSpec
 from hkserve.model import layer_loop, layer_weights
-from hkserve.model.attention import Attention, HeldKV
+from hkserve.model.attention import Attention, HeldKV, reads_own_length
 from hkserve.model.config import ModelConfig
 from hkserve.model.layers import F32, MLP, Embed, Linear, MoE, RMSNorm, norm_dtype, param_dtype
 from hkserve.model.memory import KVMemory, init_memory
@@ -61,17 +61,9 @@ def _decoder(
     # Past positions each row reads. Paged: none for a row writing nothing (an idle slot may have
     # given its blocks back while its step still counts them).
     seen = jnp.where(lengths > 0, past_len, 0) if paged else past_len  # [b]
-    # A decode step with the CPU kernels (any spec: a float model's too) reads each layer's memory in
-    # place (kernels/attention.cc), each row up to its own length;
-    # that kernel has no attention sinks, so gpt-oss attends through XLA (attention.py) there too.
-    in_place = (
-        dispatch.active() is not None
-        and slots is None
-        and t == 1
-        and memory.k.dtype in (jnp.float32, jnp.bfloat16)  # the kernel's two variants
-        and c.head_dim % 16 == 0
-        and not c.attn_sinks
-    )
+    # A decode step with the CPU kernels reads each layer's memory in place (kernels/attention.cc), each
+    # row up to its own length: attend_len is not read then (attention.py `reads_own_length`).
+    in_place = slots is None and t == 1 and reads_own_length(c, dispatch.active(), memory.k.dtype)
     # Otherwise a paged decode step may read its blocks through the Pallas kernel (a GPU's default).
     pallas = decode_kernel(c, memory) if paged and slots is None and t == 1 and not in_place else None
 
