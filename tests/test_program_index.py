@@ -8,9 +8,11 @@ lowered and JAX's key compared, over several configurations one after the other 
 the description would hit the previous configuration's entry and fail there); a corrupt index file is
 ignored and rewritten.
 
-Planted (2026-11-29, then restored): `describe` skipping a ModelConfig's fields (`_fields` returning {}
-for it) made test_stale_identity_misses fail (8 hits where misses were due) and the verifying test
-raise StaleEntry at the rope_theta configuration."""
+Planted (2026-11-29, then restored): `_fields` dropping "rope_theta" and "n_top" from every object's
+description made test_stale_identity_misses_and_lowers fail (7 hits where at most 1 was due) and the
+verifying test raise StaleEntry at the rope_theta configuration (jit__prefill_impl: indexed key
+274602a5..., JAX's b0472896...). The index reading nothing (`get` ignoring the file) made
+test_startup's warm-start check fail ((index hits, misses) (0, 18), not (18, 0))."""
 
 from __future__ import annotations
 

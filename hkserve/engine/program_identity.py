@@ -36,7 +36,12 @@ SOURCE_SUFFIXES = (".py", ".cc", ".h", ".so")
 PACKAGE = Path(__file__).resolve().parents[1]  # hkserve/
 _ADDRESS = " at 0x"
 SKIP = "skip"  # a type's __identity__ that is this: its objects are left out of the dicts that hold them
-_VALUES = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec, jax.Device)  # a default repr: not stable across processes
+_VALUES = (
+    jax.sharding.Sharding,
+    jax.sharding.Mesh,
+    jax.sharding.PartitionSpec,
+    jax.Device,
+)  # a default repr: not stable across processes
 
 
 def digest(text: str) -> str:
@@ -94,7 +99,7 @@ def describe(obj: Any, seen: dict[int, int] | None = None) -> str:
 class _Describer:
     seen: dict[int, int]  # id -> the order of its first description: cycles and shared objects
 
-    def of(self, obj: Any) -> str:  # noqa: PLR0911 (one case a type)
+    def of(self, obj: Any) -> str:
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, np.generic, np.dtype, type)):
             return f"{type(obj).__name__}:{obj!r}" if not isinstance(obj, type) else _name(obj)
         if id(obj) in self.seen:

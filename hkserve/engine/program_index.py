@@ -115,7 +115,7 @@ class ProgramIndex:
             return data
         except FileNotFoundError:
             return {}
-        except Exception as e:  # noqa: BLE001 (any damage: rebuilt)
+        except Exception as e:
             log.warning("program index %s unreadable (%s): ignored, rebuilt", self.path, e)
             return {}
 
@@ -126,7 +126,7 @@ class ProgramIndex:
         if data is not None:
             try:
                 entry = loads(data)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.warning("program index %s: entry unreadable (%s): ignored", self.path, e)
         with self._lock:
             if entry is None:
@@ -145,7 +145,7 @@ class ProgramIndex:
         """Index `entry` under `key` and write the file (atomically: tmp + rename)."""
         try:
             data = dumps(entry)
-        except Exception as e:  # noqa: BLE001 (a part no pickler stands in for: not indexed)
+        except Exception as e:
             log.warning("program index: entry of %s not picklable (%s)", entry.cache_key, e)
             return
         with self._lock:

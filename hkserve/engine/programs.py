@@ -69,7 +69,7 @@ class ProgramTable:
         self._done: dict[Key, Loaded] = {}  # every key compiled so far, loaded or evicted
         self._loaded = 0
         self._building: dict[Key, Future] = {}
-        self._index: program_index.ProgramIndex | None | bool = False  # opened at the first load (False: not yet)
+        self._index: program_index.ProgramIndex | bool | None = False  # opened at the first load (False: not yet)
 
     def __identity__(self) -> dict[str, str]:
         """What of the table a program's lowering depends on (program_identity.py): its compiler options."""
@@ -315,7 +315,14 @@ class Program:
         key: program_identity.py): its name, function, jit options, the fixed arguments' abstract values,
         the host arguments' signature and structure, the table's compiler options."""
         host = args[len(self.fixed) :]
-        parts = (self.key(args), str(jax.tree_util.tree_structure(host)), self.fn, self.jit_options, self.fixed, self.table)
+        parts = (
+            self.key(args),
+            str(jax.tree_util.tree_structure(host)),
+            self.fn,
+            self.jit_options,
+            self.fixed,
+            self.table,
+        )
         return program_identity.digest(program_identity.describe(parts))
 
     def full_args(self, host: tuple) -> tuple:
