@@ -78,7 +78,10 @@ class ProgramTable:
     def index(self) -> program_index.ProgramIndex | None:
         """The entries of this process's identity on disk (program_index.py); None: the index is off."""
         if self._index is False:
-            self._index = program_index.open_index(program_identity.digest(program_identity.process_part()))
+            with self._lock:  # one index a table (its counts): opened once, whoever asks first
+                if self._index is False:
+                    identity = program_identity.digest(program_identity.process_part())
+                    self._index = program_index.open_index(identity)
         return self._index
 
     def bound(self, max_loaded: int | None) -> None:
