@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import marshal
 import os
 import types
 from pathlib import Path
@@ -89,15 +90,15 @@ def process_part() -> str:
     )
 
 
-def describe(obj: Any, seen: dict[int, int] | None = None) -> str:
+def describe(obj: Any) -> str:
     """A text of `obj` and all it reaches that is equal across processes for equal objects."""
-    seen = {} if seen is None else seen
-    return _Describer(seen).of(obj)
+    return _Describer().of(obj)
 
 
 @dataclasses.dataclass
 class _Describer:
-    seen: dict[int, int]  # id -> the order of its first description: cycles and shared objects
+    seen: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> order: cycles, shared objects
+    keep: list = dataclasses.field(default_factory=list)  # what was described: its ids stay unique meanwhile
 
     def of(self, obj: Any) -> str:
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, np.generic, np.dtype, type)):
@@ -105,7 +106,7 @@ class _Describer:
         if id(obj) in self.seen:
             return f"<#{self.seen[id(obj)]}>"
         self.seen[id(obj)] = len(self.seen)
-        self._keep.append(obj)  # ids stay unique while described
+        self.keep.append(obj)
         says = getattr(type(obj), "__identity__", None)  # an object that says what of it counts (a table)
         if says is not None:
             return f"{_name(type(obj))}<{'' if says is SKIP else self.of(obj.__identity__())}>"
@@ -138,13 +139,12 @@ class _Describer:
         return f"{_name(type(obj))}:{text if _ADDRESS not in text else id(obj)}"
 
     def _function(self, fn: types.FunctionType) -> str:
-        """Its name (its code is in `sources`), and what it closes over or defaults to."""
-        cells = [_constant(c.cell_contents) for c in fn.__closure__ or () if _filled(c)]
+        """Its name and code (a function from outside hkserve's sources too), and what it closes over
+        or defaults to."""
+        code = hashlib.sha256(marshal.dumps(fn.__code__)).hexdigest()
+        cells = [_constants(c.cell_contents) for c in fn.__closure__ or () if _filled(c)]
         defaults = [fn.__defaults__, fn.__kwdefaults__]
-        return f"fn({fn.__module__}.{fn.__qualname__},{self.of(cells)},{self.of(defaults)})"
-
-    def __post_init__(self):
-        self._keep: list = []
+        return f"fn({fn.__module__}.{fn.__qualname__}:{code},{self.of(cells)},{self.of(defaults)})"
 
 
 def _skipped(value: Any) -> bool:
@@ -159,9 +159,17 @@ def _filled(cell) -> bool:
     return True
 
 
-def _constant(value: Any) -> Any:
-    """A device array a function closes over is a constant of its program: its values count."""
-    return np.asarray(value) if isinstance(value, jax.Array) else value
+def _constants(value: Any) -> Any:
+    """The device arrays a function closes over (in any pytree) are constants of its program: their
+    values count (a deleted one, donated, cannot be one: its abstract value)."""
+    try:
+        return jax.tree_util.tree_map(lambda x: np.asarray(x) if _live(x) else x, value)
+    except Exception:  # a pytree that cannot be rebuilt: described as nothing else is (a miss)
+        return object()
+
+
+def _live(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_deleted()
 
 
 def _fields(obj: Any) -> dict:
