@@ -89,8 +89,11 @@ def smollm2(smollm2_home):
 
 
 @pytest.fixture
-def compiles():
-    """The programs XLA compiles (or loads from the persistent cache) while the test runs, one event each."""
+def compiles(monkeypatch):
+    """The programs XLA compiles (or loads from the persistent cache) while the test runs, one event each.
+    Without the program index (engine/program_index.py), which loads an engine's programs from earlier
+    tests' entries with no such event: the tests that count them count the loads of the tables opened here."""
+    monkeypatch.setenv("HKSERVE_PROGRAM_INDEX", "off")
     seen: list[str] = []
 
     def listener(event, _secs, **_):

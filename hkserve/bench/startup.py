@@ -108,9 +108,10 @@ def _post(port: int, path: str, body: dict) -> tuple[int, bytes]:
         conn.close()
 
 
-def _one_chat(port: int, model: str) -> None:
+def _one_chat(port: int, model: str) -> str:
     """One short greedy chat request (16 tokens), as llama_rss.py's probe sends llama.cpp; a model without
-    a chat template (a base model) gets the same prompt as a completion."""
+    a chat template (a base model) gets the same prompt as a completion. Its text: a warm start's must be
+    the cold start's (programs loaded through the program index run the same executables)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
     status, reply = _post(port, "/v1/chat/completions", body)
     if status == 400 and b"no chat template" in reply:
@@ -118,6 +119,8 @@ def _one_chat(port: int, model: str) -> None:
         status, reply = _post(port, "/v1/completions", {**body, "prompt": "Say hello."})
     if status != 200:
         raise RuntimeError(f"the request failed: {status} {reply[:500]!r}")
+    choice = json.loads(reply)["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
 def start_once(args, weights: str, cache: str) -> dict:
@@ -148,10 +151,11 @@ def start_once(args, weights: str, cache: str) -> dict:
             f"{weights}: ready after {ready_s:.1f} s ({split}); waiting for the programs left for after ready",
             flush=True,
         )
-        record["compiled_s"] = _logged(lines, COMPILED_LINE, within=args.ready_within)["finished_s"]
+        record["compiled"] = _logged(lines, COMPILED_LINE, within=args.ready_within)  # the programs, all loaded
+        record["compiled_s"] = record["compiled"]["finished_s"]
         record["rss_mib_compiled"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         record["cpu_s_compiled"] = _cpu_seconds(server.pid)
-        _one_chat(port, args.model)
+        record["reply"] = _one_chat(port, args.model)
         record["rss_mib_after_request"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         return record
     finally:
@@ -171,14 +175,16 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _summary(weights: str, start: str, r: dict) -> str:
-    s, c, m = r["seconds"], r["compiles"], r["memory"]
+    s, c, m, index = r["seconds"], r["compiles"], r["memory"], r["compiled"]
     mib = {k: round(v / 2**20) for k, v in m.items()}
     parts = ", ".join(f"{k} {v:.1f}" for k, v in s.items())
     return (
         f"{weights:>5} {start:>4}: ready {r['ready_s_client']:.1f} s ({parts}), all compiled {r['compiled_s']:.1f} s; "
         f"CPU {r['cpu_s_client']:.1f} s to ready, {r['cpu_s_compiled']:.1f} s to all compiled; "
         f"programs {c['programs']}, "
-        f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; RSS {r['rss_mib_client']:.0f} MiB, all compiled "
+        f"cache hits {c['cache_hits']}, misses {c['cache_misses']}; "
+        f"program index hits {index.get('index_hits', 0)}, misses {index.get('index_misses', 0)}; "
+        f"RSS {r['rss_mib_client']:.0f} MiB, all compiled "
         f"{r['rss_mib_compiled']:.0f}, after a request {r['rss_mib_after_request']:.0f} "
         f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
         f"not arrays {mib['not_arrays']})"

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from hkserve.engine import cache_entries
+from hkserve.engine import cache_entries, program_identity, program_index
 
 Key = tuple[Hashable, ...]  # (name..., the host arguments' (shape, dtype) signature)
 # JAX's events of a program traced, and compiled or loaded from the persistent cache: a reload has neither
@@ -69,6 +69,20 @@ class ProgramTable:
         self._done: dict[Key, Loaded] = {}  # every key compiled so far, loaded or evicted
         self._loaded = 0
         self._building: dict[Key, Future] = {}
+        self._index: program_index.ProgramIndex | bool | None = False  # opened at the first load (False: not yet)
+
+    def __identity__(self) -> dict[str, str]:
+        """What of the table a program's lowering depends on (program_identity.py): its compiler options."""
+        return self.compiler_options
+
+    def index(self) -> program_index.ProgramIndex | None:
+        """The entries of this process's identity on disk (program_index.py); None: the index is off."""
+        if self._index is False:
+            with self._lock:  # one index a table (its counts): opened once, whoever asks first
+                if self._index is False:
+                    identity = program_identity.digest(program_identity.process_part())
+                    self._index = program_index.open_index(identity)
+        return self._index
 
     def bound(self, max_loaded: int | None) -> None:
         """Keep at most `max_loaded` executables loaded from now on (None: no bound). Refused without
@@ -100,6 +114,7 @@ class ProgramTable:
             "evictions": self.evictions,
             "reloads": self.reloads,
             "reload_misses": self.reload_misses,
+            **(index.status() if (index := self.index()) is not None else {}),
         }
 
     def has(self, key: Key) -> bool:
@@ -113,10 +128,12 @@ class ProgramTable:
         """The executable of `key`: compiled by `build` now unless it is, or is being, compiled."""
         return self.load(key, build, ahead)[1]
 
-    def load(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False):
+    def load(self, key: Key, build: Callable[[], jax.stages.Compiled], ahead: bool = False, described=None):
         """(its Loaded, the executable) of `key`, loaded by `build` now if need be: compiled, or
         deserialized from its cache entry once evicted. `ahead`: compiled for later, not called now
-        (the warm-up's and background compiles), so it displaces no program in use."""
+        (the warm-up's and background compiles), so it displaces no program in use. `described`: the
+        program's description (program_identity.py), under which the index keeps its entry across
+        processes (None: not indexed)."""
         entry = self._done.get(key)  # the loop's path once compiled: no lock
         executable = entry.executable if entry is not None else None
         if executable is not None:
@@ -135,7 +152,10 @@ class ProgramTable:
         if not mine:
             return future.result()  # another thread's load of this key: wait for it (or its error)
         try:
-            executable, cache_entry = self._first_load(build) if entry is None else self._reload(key, entry, build)
+            if entry is None:
+                executable, cache_entry = self._indexed_load(build, described)
+            else:
+                executable, cache_entry = self._reload(key, entry, build)
         except BaseException as e:
             with self._lock:
                 del self._building[key]
@@ -155,6 +175,29 @@ class ProgramTable:
         if evicted and self.on_evict is not None:
             self.on_evict()
         return entry, executable
+
+    def _indexed_load(self, build, described: Callable[[], str] | None):
+        """A program's first load here: from its entry in the index when there is one (nothing traced
+        or lowered; in the verifying mode lowered too, and JAX's key compared), else `_first_load`, and
+        its entry indexed."""
+        index = self.index() if described is not None else None
+        if index is None:
+            return self._first_load(build)
+        key = described()
+        entry = index.get(key)
+        executable = cache_entries.load(entry) if entry is not None else None
+        if executable is not None:
+            if index.verify:
+                _, built = self._first_load(build)
+                if built is None or built.cache_key != entry.cache_key:
+                    raise program_index.StaleEntry(f"indexed key {entry.cache_key}, JAX's {built and built.cache_key}")
+            return executable, entry
+        if entry is not None:
+            index.miss()  # its entry in the compile cache is gone (the cache is bounded)
+        executable, cache_entry = self._first_load(build)
+        if cache_entry is not None:
+            index.put(key, cache_entry)
+        return executable, cache_entry
 
     @staticmethod
     def _first_load(build: Callable[[], jax.stages.Compiled]) -> tuple[jax.stages.Compiled, cache_entries.Entry | None]:
@@ -253,6 +296,10 @@ class Program:
         """The host arguments' (shape, dtype) per leaf, as they come: hashable, nothing converted."""
         return tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(host))
 
+    # A program reached from another's function (the engine's table of them, filled as programs load)
+    # is left out of its description: each program's own description covers it.
+    __identity__ = program_identity.SKIP
+
     def key(self, args: tuple) -> Key:
         leaves = jax.tree_util.tree_leaves(args[len(self.fixed) :])
         return (*self.name, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
@@ -264,7 +311,22 @@ class Program:
 
     def _load(self, args: tuple, ahead: bool):
         build = lambda: self._lower(args).compile(self.table.compiler_options)
-        return self.table.load(self.key(args), build, ahead)
+        return self.table.load(self.key(args), build, ahead, lambda: self._describe(args))
+
+    def _describe(self, args: tuple) -> str:
+        """The program at these arguments, all its lowering depends on besides the process (the index's
+        key: program_identity.py): its name, function, jit options, the fixed arguments' abstract values,
+        the host arguments' signature and structure, the table's compiler options."""
+        host = args[len(self.fixed) :]
+        parts = (
+            self.key(args),
+            str(jax.tree_util.tree_structure(host)),
+            self.fn,
+            self.jit_options,
+            self.fixed,
+            self.table,
+        )
+        return program_identity.digest(program_identity.describe(parts))
 
     def full_args(self, host: tuple) -> tuple:
         """The arguments of a call with these host arguments: the params and state as abstract values."""
