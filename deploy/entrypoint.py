@@ -38,6 +38,7 @@ READ_BY_HKSERVE = frozenset(
         "HKSERVE_CONTROL_SECRET_FILE",
         "HKSERVE_COMPILE_CACHE",  # cli/compile_cache.py
         "HKSERVE_COMPILE_CACHE_MAX_MB",
+        "HKSERVE_PROGRAM_INDEX",  # engine/program_index.py (off | verify)
         "HKSERVE_KERNEL_THREADS",  # kernels/dispatch.py
         "HKSERVE_KERNEL_ISA",  # kernels/dispatch.py (avx2: force the AVX2 paths)
         "HKSERVE_KERNEL_CACHE",  # kernels/build.py (tests: one library for every store)

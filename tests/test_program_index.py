@@ -39,8 +39,10 @@ LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 
 @pytest.fixture
-def work() -> dict[str, int]:
-    """JAX's traces and lowerings while the test runs."""
+def work(monkeypatch) -> dict[str, int]:
+    """JAX's traces and lowerings while the test runs, with the index on (its verifying mode, which a
+    run may set for the whole suite, lowers every indexed program as well)."""
+    monkeypatch.delenv(program_index.ENV, raising=False)
     seen = {"traces": 0, "lowerings": 0}
 
     def on_span(event, _secs, **_):
@@ -130,3 +132,16 @@ def test_a_corrupt_index_file_is_ignored_and_rewritten():
     assert second.programs.status()["index_misses"] == len(second.programs)
     third = engine(options)
     assert third.programs.status()["index_hits"] == len(third.programs)
+
+
+def test_two_writers_of_one_identity_keep_both_entries(tmp_path, monkeypatch):
+    """Processes of one identity (the suite's xdist workers, replicas on one cache volume) each read the
+    file when they open it; a write merges with the file under a lock, so neither drops the other's
+    entries. The last writer did: in a fresh-clone run a second engine of the same options missed 4 of
+    its 7 programs, their entries overwritten by the other worker's file (planted: the merge removed,
+    this test fails with only "a" kept)."""
+    monkeypatch.setattr(program_index, "dumps", lambda entry: entry.encode())
+    first, second = (program_index.ProgramIndex(tmp_path, "same") for _ in range(2))
+    second.put("b", "B")
+    first.put("a", "A")
+    assert program_index.ProgramIndex(tmp_path, "same")._data == {"a": b"A", "b": b"B"}

@@ -12,7 +12,8 @@ process with the same identity and the same description loads the entry through 
 
 Pickled as `jax.experimental.serialize_executable` pickles an executable: the devices and the
 backend by persistent ids, restored from the running process; the compile options as XLA's bytes.
-Written atomically (tmp + rename) after each new entry; at most `MAX_IDENTITIES` files, the least
+Written atomically (tmp + rename) after each new entry, merged under a file lock with what other
+processes of the same identity wrote meanwhile; at most `MAX_IDENTITIES` files, the least
 recently used removed; an unreadable file or entry is logged and ignored (the programs are then
 built as without the index, and their entries written again).
 
@@ -23,6 +24,7 @@ HKSERVE_PROGRAM_INDEX=off: no index.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
 import os
@@ -104,8 +106,9 @@ class ProgramIndex:
         self._lock = threading.Lock()
         self._data: dict[str, bytes] = self._read()
 
-    def _read(self) -> dict[str, bytes]:
-        """The file's entries (still pickled); {} where there is none or it is unreadable."""
+    def _read(self, quiet: bool = False) -> dict[str, bytes]:
+        """The file's entries (still pickled); {} where there is none or it is unreadable (logged
+        unless `quiet`)."""
         try:
             with self.path.open("rb") as file:
                 version, data = pickle.load(file)  # dict[str, bytes]: plain types only
@@ -116,7 +119,8 @@ class ProgramIndex:
         except FileNotFoundError:
             return {}
         except Exception as e:
-            log.warning("program index %s unreadable (%s): ignored, rebuilt", self.path, e)
+            if not quiet:
+                log.warning("program index %s unreadable (%s): ignored, rebuilt", self.path, e)
             return {}
 
     def get(self, key: str) -> cache_entries.Entry | None:
@@ -154,10 +158,16 @@ class ProgramIndex:
             self._data[key] = data
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-                with tmp.open("wb") as file:
-                    pickle.dump((FORMAT, self._data), file, protocol=pickle.HIGHEST_PROTOCOL)
-                tmp.replace(self.path)
+                # Read, merge and replace under a lock: another process of the same identity (a test
+                # worker, a replica on a shared cache) may have written entries since this one read the
+                # file, and the last writer would otherwise drop them.
+                with self.path.with_suffix(".lock").open("a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    self._data = {**self._read(quiet=True), **self._data}
+                    tmp = self.path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+                    with tmp.open("wb") as file:
+                        pickle.dump((FORMAT, self._data), file, protocol=pickle.HIGHEST_PROTOCOL)
+                    tmp.replace(self.path)
             except OSError as e:
                 log.warning("program index %s not written (%s)", self.path, e)
                 return
@@ -173,6 +183,7 @@ def _bound(folder: Path, keep: Path) -> None:
         files = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in files if p != keep][MAX_IDENTITIES - 1 :]:
             old.unlink(missing_ok=True)
+            old.with_suffix(".lock").unlink(missing_ok=True)
     except OSError as e:  # another process removed one meanwhile
         log.debug("program index bound: %s", e)
 
