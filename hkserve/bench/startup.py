@@ -126,7 +126,8 @@ def _one_chat(port: int, model: str) -> str:
 def start_once(args, weights: str, cache: str) -> dict:
     """One start of `serve` with this compile cache: seconds to /health 200 seen from here, the server's
     split and memory, its VmRSS then, and its VmRSS after one chat request once every program is
-    compiled (a request's run allocates its programs' temp memory)."""
+    compiled (a request's run allocates its programs' temp memory), and that request's seconds with
+    those of the same request sent again."""
     port = _port()
     cmd = [sys.executable, "-m", "hkserve.cli.main", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--slots", str(args.slots), "--max-len", str(args.max_len), "--weights", weights]
@@ -155,8 +156,13 @@ def start_once(args, weights: str, cache: str) -> dict:
         record["compiled_s"] = record["compiled"]["finished_s"]
         record["rss_mib_compiled"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
         record["cpu_s_compiled"] = _cpu_seconds(server.pid)
+        sent = time.perf_counter()
         record["reply"] = _one_chat(port, args.model)
+        record["first_request_s"] = round(time.perf_counter() - sent, 3)
         record["rss_mib_after_request"] = round(process_stats(server.pid)["rss_kb"] / 1024, 1)
+        sent = time.perf_counter()
+        _one_chat(port, args.model)  # the same again: what the first paid for being first (pages, caches)
+        record["second_request_s"] = round(time.perf_counter() - sent, 3)
         return record
     finally:
         server.send_signal(signal.SIGTERM)
@@ -187,7 +193,8 @@ def _summary(weights: str, start: str, r: dict) -> str:
         f"RSS {r['rss_mib_client']:.0f} MiB, all compiled "
         f"{r['rss_mib_compiled']:.0f}, after a request {r['rss_mib_after_request']:.0f} "
         f"(served params {mib['served_params']}, KV {mib['kv']}, other arrays {mib['other_arrays']}, "
-        f"not arrays {mib['not_arrays']})"
+        f"not arrays {mib['not_arrays']}); first request {r['first_request_s']:.2f} s, "
+        f"again {r['second_request_s']:.2f} s"
         + (
             f"; {r['rss_vs_llama']:.2f}x llama.cpp's ({r['rss_after_request_vs_llama']:.2f}x after a request)"
             if "rss_vs_llama" in r

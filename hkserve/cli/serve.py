@@ -30,7 +30,7 @@ from hkserve.api.app import create_app
 from hkserve.api.limits import ServerLimits, uvicorn_config
 from hkserve.checkpoint.store import ModelStore
 from hkserve.cli.loading import LoadOptions, load_engine
-from hkserve.cli.memory import fix_mmap_threshold, release_freed_heap
+from hkserve.cli.memory import fix_mmap_threshold, release_code_pages, release_freed_heap
 from hkserve.cli.startup import StartupTimeline
 from hkserve.engine.background_compile import COMPILED_LINE, MODES, Compiles
 from hkserve.engine.forwarding import base_engine
@@ -308,15 +308,22 @@ def run_server(args: argparse.Namespace) -> int:
             compiles.before_ready()
             runner.start(warmup=False)
         released = release_freed_heap()  # what load, packing and warm-up freed leaves RSS (cli/memory.py)
-        log.info("returned %.0f MiB of freed heap to the OS", released / 2**20)
+        code = release_code_pages()  # the compiler's code, paged in by compiling (cli/memory.py)
+        log.info(
+            "returned %.0f MiB of freed heap and %.0f MiB of compiler code to the OS",
+            released / 2**20,
+            code / 2**20,
+        )
         # The timeline before the ready line: whoever waits for "ready" finds it logged.
         log.info("startup: %s", json.dumps({**timeline.report(engine), "programs": compiles.status()}))
         log.info("ready: %s on %d slots, context %d", model, engine.slots, max_len)
         compiles.start(on_finished=finished)
 
     def finished():
-        """The background compiles are done: what they freed goes back to the OS too, then the record."""
+        """The background compiles are done: what they freed, and the compiler's code they paged in, go
+        back to the OS too, then the record."""
         release_freed_heap()
+        release_code_pages()
         log.info("%s%s", COMPILED_LINE, json.dumps(compiled(compiles, timeline)))
 
     threading.Thread(target=warm_up, name="hkserve-warmup", daemon=True).start()
